@@ -1,0 +1,40 @@
+"""The key/value cache: one K and one V tensor per layer, laid out [rows, kv_heads, seq, head_dim].
+
+A request owns one row. Its committed tokens occupy positions 0 .. prefix_len - 1; the tokens of
+the current step are written right after them before attention runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        rows: int,
+        num_kv_heads: int,
+        max_seq_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
+        shape = (rows, num_kv_heads, max_seq_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.rows = rows
+        self.max_seq_len = max_seq_len
+
+    def write(
+        self,
+        layer: int,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        cache_rows: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> None:
+        """Store k/v_new [B, T, Hkv, D] at cache_rows[b], positions[b, t] (a [B, T] tensor)."""
+        rows = cache_rows.view(-1, 1).expand_as(positions)
+        self.k[layer][rows, :, positions] = k_new.to(self.k[layer].dtype)
+        self.v[layer][rows, :, positions] = v_new.to(self.v[layer].dtype)
