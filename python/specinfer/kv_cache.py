@@ -32,9 +32,12 @@ class KVCache:
         k_new: torch.Tensor,
         v_new: torch.Tensor,
         cache_rows: torch.Tensor,
-        positions: torch.Tensor,
+        slots: torch.Tensor,
     ) -> None:
-        """Store k/v_new [B, T, Hkv, D] at cache_rows[b], positions[b, t] (a [B, T] tensor)."""
-        rows = cache_rows.view(-1, 1).expand_as(positions)
-        self.k[layer][rows, :, positions] = k_new.to(self.k[layer].dtype)
-        self.v[layer][rows, :, positions] = v_new.to(self.v[layer].dtype)
+        """Store k/v_new [B, T, Hkv, D] at row cache_rows[b], sequence slot slots[b, t].
+
+        Slots are storage positions (prefix_len + t), not RoPE positions: in a token tree
+        the RoPE position is prefix_len + depth, and siblings share it."""
+        rows = cache_rows.view(-1, 1).expand_as(slots)
+        self.k[layer][rows, :, slots] = k_new.to(self.k[layer].dtype)
+        self.v[layer][rows, :, slots] = v_new.to(self.v[layer].dtype)
