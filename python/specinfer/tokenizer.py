@@ -70,7 +70,9 @@ class TokenizerWrapper:
             raise ValueError("this model has no chat template; pass a plain prompt instead")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"chat message {i} must be a dict with 'role' and 'content', got {m!r}")
+                raise ValueError(
+                    f"chat message {i} must be a dict with 'role' and 'content', got {m!r}"
+                )
         return _compile_template(self.chat_template).render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
@@ -131,7 +133,11 @@ class TokenizerWrapper:
         tok.pre_tokenizer = _gguf_pre_tokenizer(field("tokenizer.ggml.pre", "default"))
         tok.decoder = decoders.ByteLevel()
         tok.add_special_tokens(
-            [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == _CONTROL]
+            [
+                AddedToken(t, special=True, normalized=False)
+                for t, ty in zip(tokens, types)
+                if ty == _CONTROL
+            ]
         )
         tok.add_tokens(
             [AddedToken(t, normalized=False) for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
@@ -165,6 +171,8 @@ def _compile_template(source: str) -> jinja2.Template:
     if source not in _templates:
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
-        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+        env.filters["tojson"] = lambda x, indent=None: json.dumps(
+            x, ensure_ascii=False, indent=indent
+        )
         _templates[source] = env.from_string(source)
     return _templates[source]
