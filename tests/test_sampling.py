@@ -1,0 +1,74 @@
+import pytest
+import torch
+
+from specinfer.sampling import SamplingParams, make_generator, next_token, probabilities
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 2.5}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -3}, "top_k"),
+        ({"seed": "x"}, "seed"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
+def test_invalid_params_name_the_problem(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_stop_accepts_a_single_string():
+    assert SamplingParams(stop="###").stop == ["###"]
+
+
+def test_temperature_scales_the_softmax():
+    logits = torch.tensor([1.0, 2.0, 3.0])
+    assert torch.allclose(probabilities(logits, 0.5), torch.softmax(logits / 0.5, -1))
+
+
+def test_top_k_keeps_exactly_k_tokens():
+    logits = torch.tensor([0.1, 3.0, 2.0, -1.0, 2.5])
+    p = probabilities(logits, 1.0, top_k=2)
+    assert torch.nonzero(p).flatten().tolist() == [1, 4]
+    assert p.sum().item() == pytest.approx(1.0)
+    expected = torch.softmax(torch.tensor([3.0, 2.5]), -1)
+    assert torch.allclose(p[[1, 4]], expected)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    p = probabilities(probs.log(), 1.0, top_p=0.7)  # 0.5 < 0.7, 0.5 + 0.3 >= 0.7
+    assert torch.allclose(p, torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    p = probabilities(probs.log(), 1.0, top_p=0.1)  # the top token always stays
+    assert torch.allclose(p, torch.tensor([1.0, 0.0, 0.0, 0.0]))
+
+
+def test_greedy_is_argmax_and_seeded_sampling_is_reproducible():
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
+    assert next_token(logits, SamplingParams(), make_generator(0)) == int(logits.argmax())
+    params = SamplingParams(temperature=1.0, seed=7)
+    draws = [next_token(logits, params, make_generator(7)) for _ in range(3)]
+    assert len(set(draws)) == 1
+    gen = make_generator(7)
+    many = {next_token(logits, params, gen) for _ in range(200)}
+    assert len(many) > 5  # it does sample, not just argmax
+
+
+def test_sampling_frequencies_follow_the_distribution():
+    logits = torch.tensor([0.0, 1.0, 2.0])
+    params = SamplingParams(temperature=1.0)
+    gen = make_generator(123)
+    n = 6000
+    counts = torch.bincount(
+        torch.tensor([next_token(logits, params, gen) for _ in range(n)]), minlength=3
+    )
+    expected = torch.softmax(logits, -1) * n
+    chi2 = (((counts - expected) ** 2) / expected).sum().item()
+    assert chi2 < 13.8  # chi-squared, 2 degrees of freedom, p = 0.001

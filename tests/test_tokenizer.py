@@ -1,0 +1,62 @@
+import pytest
+from _fixtures import default_gguf, default_tokenizer  # noqa: F401
+
+from specinfer.tokenizer import TokenizerWrapper
+
+TEXTS = [
+    "Hello world!",
+    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+    "Numbers 1234567 and 3.14159, dates 2026-11-30.",
+    "  leading spaces, trailing tabs\t\t",
+    "Unicode: héllo naïve café 日本語 😀 Ελληνικά",
+    "To be, or not to be, that is the question:",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(default_gguf):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(
+        str(default_gguf.parent), gguf_file=default_gguf.name
+    )
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_gguf_tokenizer_matches_transformers(default_tokenizer, hf_tokenizer, text):
+    ids = default_tokenizer.encode(text)
+    assert ids == hf_tokenizer(text)["input_ids"]
+    assert default_tokenizer.decode(ids) == text
+
+
+def test_chat_template_matches_transformers(default_tokenizer, hf_tokenizer):
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And 3+3?"},
+    ]
+    ours = default_tokenizer.apply_chat_template(messages)
+    theirs = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours == theirs
+    ids = default_tokenizer.encode(ours, add_special_tokens=False)
+    assert (
+        ids.count(default_tokenizer.tokenizer.token_to_id("<|im_start|>")) == 5
+    )  # 4 turns + the generation prompt, each kept whole
+
+
+def test_special_tokens_are_skipped_when_decoding(default_tokenizer):
+    ids = default_tokenizer.encode("<|im_start|>user\nhi<|im_end|>")
+    assert default_tokenizer.decode(ids) == "user\nhi"
+    assert default_tokenizer.eos_token == "<|im_end|>"
+
+
+def test_bad_chat_messages_are_rejected(default_tokenizer):
+    with pytest.raises(ValueError, match="chat message 0"):
+        default_tokenizer.apply_chat_template([{"content": "no role"}])
+
+
+def test_missing_tokenizer_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        TokenizerWrapper.from_path(tmp_path)
+    with pytest.raises(FileNotFoundError, match="GGUF"):
+        TokenizerWrapper.from_path(tmp_path / "missing.gguf")
