@@ -1,0 +1,39 @@
+"""Shared fixtures; `--runslow` enables tests marked slow."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", help="also run tests marked slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--runslow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --runslow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm_gguf() -> Path:
+    """The default SmolLM2-135M-Instruct GGUF: $SPECINFER_TEST_GGUF, else the packaged default."""
+    env = os.environ.get("SPECINFER_TEST_GGUF")
+    if env:
+        if not Path(env).is_file():
+            pytest.fail(f"SPECINFER_TEST_GGUF={env} is not a file")
+        return Path(env)
+    try:
+        from specinfer.default_model import default_model_path
+    except ImportError:
+        pytest.skip("no SPECINFER_TEST_GGUF and specinfer.default_model is not available")
+    try:
+        return Path(default_model_path())
+    except Exception as e:  # e.g. not cached and no network: a skip, not a failure
+        pytest.skip(f"default model unavailable: {e}")

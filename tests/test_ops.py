@@ -1,0 +1,227 @@
+"""The compiled ops against their pure-torch references (specinfer.ops)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specinfer import ops
+
+_C = pytest.importorskip("specinfer._C")
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def tree_mask_from_parents(parents: list[int]) -> torch.Tensor:
+    """Ancestor-or-self mask of a forest given each node's parent (-1 = a root)."""
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        mask[i, i] = True
+        if p >= 0:
+            mask[i] |= mask[p]
+    return mask
+
+
+def make_case(
+    gen: torch.Generator,
+    batch: int,
+    tokens: int,
+    prefixes: list[int],
+    heads: tuple[int, int],
+    head_dim: int,
+    dtype: torch.dtype = torch.float32,
+    index_dtype: torch.dtype = torch.int64,
+    mask_dtype: torch.dtype = torch.bool,
+    layout: str = "contiguous",
+    device: str = "cpu",
+):
+    hq, hkv = heads
+    rows = batch + 2
+    seq = max(prefixes) + tokens + 3
+    shape = (rows, hkv, seq, head_dim)
+
+    def cache() -> torch.Tensor:
+        if layout == "seq_major":  # [rows, seq, kv_heads, D] viewed as [rows, kv_heads, seq, D]
+            t = torch.randn(rows, seq, hkv, head_dim, generator=gen).transpose(1, 2)
+        elif layout == "padded":  # head_dim sliced out of a wider buffer
+            t = torch.randn(rows, hkv, seq, head_dim + 8, generator=gen)[..., :head_dim]
+        else:
+            t = torch.randn(*shape, generator=gen)
+        return t.to(dtype)
+
+    k_cache, v_cache = cache(), cache()
+    assert k_cache.shape == shape
+    q = torch.randn(batch, tokens, hq, head_dim, generator=gen).to(dtype)
+    cache_rows = torch.randperm(rows, generator=gen)[:batch].to(index_dtype)
+    prefix_lens = torch.tensor(prefixes, dtype=index_dtype)
+    masks = []
+    for _ in range(batch):
+        kind = torch.randint(3, (1,), generator=gen).item()
+        used = torch.randint(1, tokens + 1, (1,), generator=gen).item()
+        if kind == 0:  # a causal chain
+            parents = list(range(-1, used - 1))
+        else:  # a random tree (or forest), parents before children
+            parents = [-1] + [
+                torch.randint(-1 if kind == 2 else 0, i, (1,), generator=gen).item()
+                for i in range(1, used)
+            ]
+        m = torch.zeros(tokens, tokens, dtype=torch.bool)
+        m[:used, :used] = tree_mask_from_parents(parents)  # rows past `used` are padding
+        masks.append(m)
+    tree_mask = torch.stack(masks).to(mask_dtype)
+    args = (q, k_cache, v_cache, cache_rows, prefix_lens, tree_mask)
+    return tuple(a.to(device) for a in args)
+
+
+def tolerance(dtype: torch.dtype) -> dict:
+    return {torch.float32: dict(atol=1e-5, rtol=1e-5)}.get(dtype, dict(atol=2e-2, rtol=2e-2))
+
+
+def assert_matches_reference(args, scale=None):
+    expected = ops.tree_attention_reference(*args, scale=scale)
+    got = ops.tree_attention(*args, scale=scale)
+    torch.testing.assert_close(got.float(), expected.float(), **tolerance(args[0].dtype))
+
+
+def test_backends():
+    assert "cpu" in _C.backends()
+    if os.environ.get("SPECINFER_EXPECT_CUDA") == "1":
+        assert "cuda" in _C.backends()
+    assert _C.cuda_device_count() >= 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    batch=st.integers(1, 4),
+    tokens=st.integers(1, 20),
+    prefix=st.lists(st.integers(0, 300), min_size=4, max_size=4),
+    heads=st.sampled_from([(9, 3), (4, 4), (8, 2)]),
+    head_dim=st.sampled_from([32, 64, 128]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    index_dtype=st.sampled_from([torch.int32, torch.int64]),
+    mask_dtype=st.sampled_from([torch.bool, torch.uint8]),
+    layout=st.sampled_from(["contiguous", "seq_major", "padded"]),
+    seed=st.integers(0, 2**31),
+)
+def test_tree_attention_cpu_random(
+    batch, tokens, prefix, heads, head_dim, dtype, index_dtype, mask_dtype, layout, seed
+):
+    gen = torch.Generator().manual_seed(seed)
+    args = make_case(
+        gen, batch, tokens, prefix[:batch], heads, head_dim, dtype, index_dtype, mask_dtype, layout
+    )
+    assert_matches_reference(args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,prefix", [(1, 0), (1, 2048), (64, 0), (200, 37), (33, 0)])
+def test_tree_attention_cpu_shapes(dtype, tokens, prefix):
+    """Decode, long prefixes, and prefill blocks long enough to be split into query chunks."""
+    gen = torch.Generator().manual_seed(tokens + prefix)
+    args = make_case(gen, 1, tokens, [prefix], (9, 3), 64, dtype)
+    causal = torch.ones(tokens, tokens, dtype=torch.bool).tril()[None]
+    assert_matches_reference((*args[:5], causal))
+    assert_matches_reference(args, scale=0.3)
+
+
+def test_tree_attention_padding_row_without_prefix_is_zero():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, rows, prefix, mask = make_case(gen, 2, 5, [0, 10], (4, 4), 32)
+    mask[:, 3:] = False
+    out = ops.tree_attention(q, k, v, rows, prefix, mask)
+    assert torch.count_nonzero(out[0, 3:]) == 0
+    assert torch.count_nonzero(out[1, 3:]) > 0  # request 1 still sees its prefix
+    assert_matches_reference((q, k, v, rows, prefix, mask))
+
+
+def test_tree_attention_requires_grad_and_numpy():
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, rows, prefix, mask = make_case(gen, 2, 4, [3, 7], (8, 2), 64)
+    out = ops.tree_attention(q.requires_grad_(), k, v, rows, prefix, mask)
+    torch.testing.assert_close(out, ops.tree_attention_reference(q.detach(), k, v, rows, prefix, mask))
+    # Any __dlpack__ producer works, not only torch.
+    got = torch.empty_like(out)
+    _C.tree_attention(
+        q.detach().numpy(), k.numpy(), v.numpy(), rows.numpy(), prefix.numpy(), mask.numpy(),
+        got.numpy(), 1 / math.sqrt(64),
+    )
+    torch.testing.assert_close(got, out)
+
+
+def _bad_args():
+    gen = torch.Generator().manual_seed(2)
+    return list(make_case(gen, 2, 3, [4, 5], (9, 3), 64))
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda a: a.__setitem__(1, a[1][0]), r"k_cache must have 4 dims \[rows, kv_heads, seq, head_dim\], got 3"),
+        (lambda a: a.__setitem__(0, a[0][..., :5, :]), r"q_heads \(5\) must be a multiple of kv_heads \(3\)"),
+        (lambda a: a.__setitem__(2, a[2].double()), r"v_cache must have the dtype of q \(float32\), got an unsupported dtype"),
+        (lambda a: a.__setitem__(3, a[3].float()), r"cache_rows must be int32 or int64, got float32"),
+        (lambda a: a.__setitem__(3, torch.tensor([0, 4])), r"cache_rows\[1\] = 4 is out of range \[0, 4\)"),
+        (lambda a: a.__setitem__(3, torch.tensor([-1, 0])), r"cache_rows\[0\] = -1 is out of range"),
+        (lambda a: a.__setitem__(4, torch.tensor([4, 9])), r"prefix_lens\[1\] \+ tokens = 9 \+ 3 must be in \[0, 11\]"),
+        (lambda a: a.__setitem__(4, torch.tensor([4])), r"prefix_lens.shape\[0\] must be 2"),
+        (lambda a: a.__setitem__(5, a[5][:, :2]), r"tree_mask.shape\[1\] must be 3"),
+        (lambda a: a.__setitem__(5, a[5].float()), r"tree_mask must be bool or uint8, got float32"),
+        (lambda a: a.__setitem__(1, a[1][..., :32]), r"k_cache.shape\[3\] must be 64"),
+        (lambda a: a.__setitem__(0, a[0].transpose(1, 3).contiguous().transpose(1, 3)), r"q must be contiguous in its last dim"),
+        (lambda a: a.__setitem__(0, [1.0]), r"q must be a tensor with __dlpack__"),
+    ],
+)
+def test_tree_attention_errors(change, message):
+    args = _bad_args()
+    change(args)
+    with pytest.raises(ValueError, match=message):
+        ops.tree_attention(*args)
+
+
+def test_tree_attention_error_out_and_dtype():
+    q, k, v, rows, prefix, mask = _bad_args()
+    with pytest.raises(ValueError, match=r"out must have the shape of q \[2, 3, 9, 64\], got \[2, 3, 9, 32\]"):
+        _C.tree_attention(q, k, v, rows, prefix, mask, torch.empty(2, 3, 9, 32), 1.0)
+    h = [t.half() if t.is_floating_point() else t for t in (q, k, v, rows, prefix, mask)]
+    with pytest.raises(ValueError, match="float16 is not supported on cpu"):
+        ops.tree_attention(*h)
+
+
+@gpu
+def test_tree_attention_mixed_devices():
+    q, k, v, rows, prefix, mask = _bad_args()
+    with pytest.raises(ValueError, match="k_cache is on cpu:0 but q is on cuda:0"):
+        ops.tree_attention(q.cuda(), k, v.cuda(), rows.cuda(), prefix.cuda(), mask.cuda())
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (32, 8)])
+@pytest.mark.parametrize("tokens", [1, 7, 20, 70])
+@pytest.mark.parametrize("layout", ["contiguous", "seq_major"])
+def test_tree_attention_cuda(dtype, head_dim, heads, tokens, layout):
+    gen = torch.Generator().manual_seed(tokens * head_dim)
+    for batch, prefixes in [(1, [0]), (3, [5, 300, 129]), (4, [0, 1, 2047, 64])]:
+        args = make_case(
+            gen, batch, tokens, prefixes, heads, head_dim, dtype, layout=layout, device="cuda"
+        )
+        expected = ops.tree_attention_reference(*args)
+        got = ops.tree_attention(*args)
+        tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(got.float(), expected.float(), **tol)
+
+
+@gpu
+def test_tree_attention_cuda_errors():
+    q, k, v, rows, prefix, mask = (t.cuda() for t in _bad_args())
+    with pytest.raises(ValueError, match=r"cache_rows\[1\] = 9 is out of range"):
+        ops.tree_attention(q, k, v, torch.tensor([0, 9], device="cuda"), prefix, mask)
+    with pytest.raises(ValueError, match="head_dim 32 is not supported on cuda"):
+        ops.tree_attention(q[..., :32], k[..., :32], v[..., :32], rows, prefix, mask)
