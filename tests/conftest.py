@@ -37,3 +37,10 @@ def smollm_gguf() -> Path:
         return Path(default_model_path())
     except Exception as e:  # e.g. not cached and no network: a skip, not a failure
         pytest.skip(f"default model unavailable: {e}")
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(smollm_gguf):
+    from specinfer.tokenizer import TokenizerWrapper
+
+    return TokenizerWrapper.from_path(smollm_gguf)

@@ -1,5 +1,4 @@
 import pytest
-from _fixtures import default_gguf, default_tokenizer  # noqa: F401
 
 from specinfer.streaming import TextStream
 

@@ -1,5 +1,4 @@
 import pytest
-from _fixtures import default_gguf, default_tokenizer  # noqa: F401
 
 from specinfer.tokenizer import TokenizerWrapper
 
@@ -14,10 +13,10 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer(default_gguf):
+def hf_tokenizer(smollm_gguf):
     transformers = pytest.importorskip("transformers")
     return transformers.AutoTokenizer.from_pretrained(
-        str(default_gguf.parent), gguf_file=default_gguf.name
+        str(smollm_gguf.parent), gguf_file=smollm_gguf.name
     )
 
 
