@@ -1,0 +1,238 @@
+"""Tensor-parallel building blocks (Megatron-style), world size 1 unless torch.distributed is up.
+
+Every parameter carries a `weight_loader(param, full_tensor, shard_id=None)` that copies this
+rank's slice of the full checkpoint tensor, so the loader never needs to know about sharding.
+Fused parameters (qkv, gate/up) also carry `shard_ids`, the shards that must all be loaded.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from specinfer import ops
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def tp_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def tp_world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def divide(n: int, what: str) -> int:
+    world = tp_world()
+    if n % world:
+        raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel world size {world}")
+    return n // world
+
+
+def _check_shape(full: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(full.shape) != tuple(expected):
+        raise ValueError(f"expected shape {tuple(expected)}, got {tuple(full.shape)}")
+
+
+def default_weight_loader(param: nn.Parameter, full: torch.Tensor, shard_id=None) -> None:
+    """Replicated parameter: every rank holds the whole tensor."""
+    _check_shape(full, param.shape)
+    param.data.copy_(full)
+
+
+def _param(*shape: int, loader=default_weight_loader) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape), requires_grad=False)
+    p.weight_loader = loader
+    return p
+
+
+class ReplicatedLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.weight = _param(out_features, in_features)
+        self.bias = _param(out_features) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W's output features split across ranks; the output stays sharded.
+
+    `out_sizes` lists the fused sub-projections (full sizes); each is split separately so a
+    rank holds the matching slice of every one of them, e.g. its q, k and v heads."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, shard_ids=None):
+        super().__init__()
+        self.in_features = in_features
+        self.out_sizes = out_sizes
+        self.local_sizes = [divide(n, "output features") for n in out_sizes]
+        self.shard_ids = list(shard_ids) if shard_ids is not None else [None]
+        self.weight = _param(sum(self.local_sizes), in_features, loader=self.weight_loader)
+        self.bias = _param(sum(self.local_sizes), loader=self.weight_loader) if bias else None
+        for p in (self.weight, self.bias):
+            if p is not None:
+                p.shard_ids = set(self.shard_ids)
+
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id=None) -> None:
+        i = self.shard_ids.index(shard_id)
+        _check_shape(full, (self.out_sizes[i], *param.shape[1:]))
+        n = self.local_sizes[i]
+        offset = sum(self.local_sizes[:i])
+        param.data[offset : offset + n].copy_(full[tp_rank() * n : (tp_rank() + 1) * n])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool):
+        divide(num_kv_heads, "key/value heads")  # whole heads per rank
+        sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        super().__init__(hidden, sizes, bias, shard_ids=("q", "k", "v"))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several projections of the same input (e.g. gate and up), shard ids 0, 1, ..."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool):
+        super().__init__(in_features, out_sizes, bias, shard_ids=range(len(out_sizes)))
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W's input features split across ranks; partial sums are all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.in_features = in_features
+        self.weight = _param(out_features, divide(in_features, "input features"))
+        self.weight.weight_loader = self.weight_loader
+        self.bias = _param(out_features) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id=None) -> None:
+        _check_shape(full, (param.shape[0], self.in_features))
+        n = param.shape[1]
+        param.data.copy_(full[:, tp_rank() * n : (tp_rank() + 1) * n])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The bias is added once, by rank 0, before the sum.
+        y = ops.linear(x, self.weight, self.bias if tp_rank() == 0 else None)
+        if tp_world() > 1:
+            dist.all_reduce(y)
+        return y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split by vocabulary range; each rank looks up its own ids, others give 0."""
+
+    def __init__(self, vocab_size: int, dim: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.shard = divide(vocab_size, "vocabulary size")
+        self.start = tp_rank() * self.shard
+        self.weight = _param(self.shard, dim, loader=self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id=None) -> None:
+        _check_shape(full, (self.vocab_size, param.shape[1]))
+        param.data.copy_(full[self.start : self.start + self.shard])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if tp_world() == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.shard)
+        out = F.embedding(local.clamp(0, self.shard - 1), self.weight) * mine.unsqueeze(-1)
+        dist.all_reduce(out)
+        return out
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits for this rank's vocabulary range, gathered into full float32 logits."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = ops.linear(x, self.weight).float()
+        if tp_world() == 1:
+            return logits
+        parts = [torch.empty_like(logits) for _ in range(tp_world())]
+        dist.all_gather(parts, logits.contiguous())
+        return torch.cat(parts, dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32, scale in the model dtype (as HF Llama does).
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, elementwise_affine: bool = True):
+        super().__init__()
+        self.dim, self.eps = dim, eps
+        self.weight = _param(dim) if elementwise_affine else None
+        self.bias = _param(dim) if elementwise_affine else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (self.dim,), self.weight, self.bias, self.eps)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    kind = scaling["rope_type"] if scaling else "default"
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        # Long wavelengths are slowed down by `factor`, short ones kept, the band between blended.
+        factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+        return torch.where(medium, blended, scaled)
+    if kind == "freq_factors":
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """HF-style (rotate_half) rotary embedding with cos/sin precomputed for every position."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
+        super().__init__()
+        freqs = torch.outer(
+            torch.arange(max_positions, dtype=torch.float32),
+            rope_inv_freq(head_dim, theta, scaling),
+        )
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """positions [B, T]; q, k [B, T, H, D] -> rotated q, k."""
+        cos = self.cos[positions].unsqueeze(2).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(2).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)

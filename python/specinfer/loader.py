@@ -1,0 +1,192 @@
+"""Load a model from a local HF directory (config.json + safetensors) or a GGUF file."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+from specinfer.models import ModelConfig, build_model
+
+GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+GGUF_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+GGUF_TYPES = (
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+)  # fmt: skip
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> nn.Module:
+    """A ready-to-run model (in eval mode, `model.config` set) from a directory or .gguf file."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model path {path} does not exist")
+    if path.is_dir():
+        return _load_hf_dir(path, dtype, device)
+    if path.suffix == ".gguf":
+        return _load_gguf(path, dtype, device)
+    raise ValueError(f"{path} is neither a model directory nor a .gguf file")
+
+
+def _build(config: ModelConfig, dtype: torch.dtype, device) -> nn.Module:
+    with torch.device(device):
+        model = build_model(config)
+    return model.to(dtype).eval()
+
+
+def _load_hf_dir(path: Path, dtype, device) -> nn.Module:
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise FileNotFoundError(f"no config.json in model directory {path}")
+    config = ModelConfig.from_hf_config(json.loads(config_file.read_text()))
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [path / f for f in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in model directory {path}")
+    for f in files:
+        if not f.exists():
+            raise FileNotFoundError(f"checkpoint file {f} (listed in {index.name}) is missing")
+
+    total = 0
+    for f in files:
+        with safe_open(f, framework="pt") as st:
+            total += len(st.keys())
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for f in files:
+            with safe_open(f, framework="pt") as st:
+                for name in st.keys():
+                    if "rotary_emb.inv_freq" in name:  # recomputed, saved by old versions
+                        continue
+                    if config.tie_word_embeddings and name == "lm_head.weight":
+                        continue
+                    # Old OPT checkpoints omit the `model.` prefix.
+                    hf_name = "model." + name if name.startswith("decoder.") else name
+                    yield hf_name, st.get_tensor(name)
+
+    model = _build(config, dtype, device)
+    load_weights(model, tensors(), total, desc=f"loading {path.name}")
+    return model
+
+
+def _load_gguf(path: Path, dtype, device) -> nn.Module:
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(path)
+    meta = {
+        key: field.contents()
+        for key, field in reader.fields.items()
+        if not key.startswith("tokenizer.") or key.endswith("_token_id")
+    }
+    by_name = {t.name: t for t in reader.tensors}
+    arch = meta.get("general.architecture")
+    if "token_embd.weight" in by_name:
+        meta.setdefault(f"{arch}.vocab_size", int(by_name["token_embd.weight"].shape[1]))
+    config = ModelConfig.from_gguf_metadata(
+        meta, tie_word_embeddings="output.weight" not in by_name
+    )
+    supported = {GGMLQuantizationType[n] for n in GGUF_TYPES}
+
+    def read(t) -> torch.Tensor:
+        if t.tensor_type not in supported:
+            raise ValueError(
+                f"GGUF tensor {t.name!r} has quantisation type {t.tensor_type.name}, which is "
+                f"not supported; supported: {', '.join(GGUF_TYPES)}"
+            )
+        # GGUF lists dimensions innermost first; torch wants them outermost first.
+        shape = tuple(int(n) for n in reversed(t.shape))
+        data = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # own, writable copy
+        return torch.from_numpy(data).view(shape)
+
+    if "rope_freqs.weight" in by_name:
+        factors = read(by_name.pop("rope_freqs.weight")).tolist()
+        config.rope_scaling = {"rope_type": "freq_factors", "factors": factors}
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in by_name.items():
+            w = read(t)
+            hf_name = _gguf_to_hf_name(name)
+            # llama.cpp's converter permutes q/k rows for its RoPE layout; undo it.
+            if hf_name and hf_name.endswith("q_proj.weight"):
+                w = _unpermute_rope(w, config.num_heads)
+            elif hf_name and hf_name.endswith("k_proj.weight"):
+                w = _unpermute_rope(w, config.num_kv_heads)
+            yield hf_name or name, w
+
+    model = _build(config, dtype, device)
+    load_weights(model, tensors(), len(by_name), desc=f"loading {path.name}")
+    return model
+
+
+def _gguf_to_hf_name(name: str) -> str | None:
+    parts = name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in GGUF_BLOCK:
+        return f"model.layers.{parts[1]}.{GGUF_BLOCK[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in GGUF_TOP:
+        return f"{GGUF_TOP[parts[0]]}.{parts[1]}"
+    return None
+
+
+def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    # The converter maps each head's rows (pairs-of-halves) to interleaved pairs:
+    # reshape(h, 2, d/2, ...).swapaxes(1, 2). This is its inverse.
+    rows = w.shape[0]
+    return (
+        w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    )
+
+
+def load_weights(
+    model: nn.Module, named_tensors: Iterator[tuple[str, torch.Tensor]], total: int, desc: str
+) -> None:
+    """Hand each checkpoint tensor (HF name) to its parameter's weight_loader, then check that
+    every parameter (every shard of a fused one) was loaded."""
+    params = dict(model.named_parameters())
+    loaded = defaultdict(set)
+    for name, tensor in tqdm(named_tensors, total=total, desc=desc, unit="tensor"):
+        target, shard_id = name, None
+        for hf_part, (ours, sid) in model.packed_weights.items():
+            if f".{hf_part}." in name:
+                target, shard_id = name.replace(f".{hf_part}.", f".{ours}."), sid
+                break
+        param = params.get(target)
+        if param is None:
+            raise ValueError(f"unexpected tensor {name!r} in checkpoint")
+        try:
+            param.weight_loader(param, tensor, shard_id)
+        except ValueError as e:
+            raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
+        loaded[target].add(shard_id)
+    missing = []
+    for name, p in params.items():
+        expected = getattr(p, "shard_ids", {None})
+        if loaded[name] != expected:
+            shards = sorted(map(str, expected - loaded[name]))
+            missing.append(f"{name} {shards}" if len(expected) > 1 else name)
+    if missing:
+        more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+        raise ValueError(f"checkpoint is missing tensors: {', '.join(missing[:10])}{more}")

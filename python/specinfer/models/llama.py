@@ -1,0 +1,143 @@
+"""Llama (and Mistral, SmolLM2, ...) decoder with tree attention over a KV cache.
+
+Module names follow HF's, so checkpoint names map one-to-one except the fused projections
+listed in `packed_weights`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specinfer import ops
+from specinfer.kv_cache import KVCache
+from specinfer.layers import (
+    ACTIVATIONS,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    divide,
+)
+from specinfer.models.config import ModelConfig
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.head_dim = cfg.head_dim
+        self.num_heads = divide(cfg.num_heads, "attention heads")
+        self.num_kv_heads = divide(cfg.num_kv_heads, "key/value heads")
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias
+        )
+        self.o_proj = RowParallelLinear(
+            cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.attention_bias
+        )
+
+    def forward(self, x, positions, rotary, kv, cache_rows, prefix_lens, slots, tree_mask):
+        B, T, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.local_sizes, dim=-1)
+        q = q.view(B, T, self.num_heads, self.head_dim)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        kv.write(self.layer, k, v, cache_rows, slots)
+        out = ops.tree_attention(
+            q, kv.k[self.layer], kv.v[self.layer], cache_rows, prefix_lens, tree_mask
+        )
+        return self.o_proj(out.reshape(B, T, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [cfg.intermediate_size] * 2, cfg.mlp_bias
+        )
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
+        self.act = ACTIVATIONS[cfg.activation]
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+
+    def forward(self, h, *attn_args):
+        h = h + self.self_attn(self.input_layernorm(h), *attn_args)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    # HF checkpoint name fragment -> (our fused parameter's name fragment, shard id)
+    packed_weights = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv: KVCache,
+        cache_rows: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        tree_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Hidden states [B, T, H] of T new tokens per request (see `ops.tree_attention`)."""
+        T = input_ids.shape[1]
+        slots = prefix_lens[:, None] + torch.arange(T, device=input_ids.device)
+        h = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            h = layer(h, positions, self.rotary, kv, cache_rows, prefix_lens, slots, tree_mask)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def make_kv_cache(self, rows: int, max_seq_len: int, dtype: torch.dtype | None = None):
+        attn = self.model.layers[0].self_attn
+        weight = self.lm_head.weight
+        return KVCache(
+            self.config.num_layers,
+            rows,
+            attn.num_kv_heads,
+            max_seq_len,
+            attn.head_dim,
+            dtype or weight.dtype,
+            weight.device,
+        )
