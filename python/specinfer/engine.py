@@ -72,7 +72,6 @@ class Engine:
         device: str | torch.device = "cpu",
         threads: int | None = None,
         max_batch_size: int = 16,
-        progress: bool = True,
     ):
         if threads is not None:
             torch.set_num_threads(threads)
@@ -86,7 +85,7 @@ class Engine:
                 f"model not found: {path} (a local HF directory or a .gguf file)"
             )
         self.model_path = path
-        self.model = load_model(path, dtype=self.dtype, device=self.device, progress=progress)
+        self.model = load_model(path, dtype=self.dtype, device=self.device)
         self.config = self.model.config
         self.tokenizer = TokenizerWrapper.from_path(path)
         self.max_batch_size = max_batch_size
