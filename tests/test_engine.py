@@ -1,0 +1,113 @@
+"""Engine behaviour on the default model: API, streaming, stop rules, batching, bad input."""
+
+import pytest
+import torch
+
+from specinfer import Engine, SamplingParams
+from specinfer.cli import main as cli_main
+
+
+@pytest.fixture(scope="module")
+def engine(smollm_gguf):
+    torch.set_num_threads(2)
+    return Engine(smollm_gguf, dtype="float32", max_batch_size=3)
+
+
+def test_stream_yields_the_same_text_as_generate(engine):
+    params = SamplingParams(max_tokens=24)
+    full = engine.generate("The capital of France is", params)[0]
+    streamed = list(engine.stream("The capital of France is", params))
+    assert len(streamed) > 1 and "".join(streamed) == full.text
+
+
+def test_max_tokens_and_length_finish(engine):
+    out = engine.generate("Count: 1, 2, 3,", SamplingParams(max_tokens=5, ignore_eos=True))[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+    assert out.prompt_tokens == len(engine.tokenizer.encode("Count: 1, 2, 3,"))
+
+
+def test_chat_stops_at_eos(engine):
+    out = engine.chat([{"role": "user", "content": "Say hello."}], SamplingParams(max_tokens=100))
+    assert out.finish_reason == "stop"
+    assert out.token_ids[-1] in engine.eos_ids
+    assert "<|im_end|>" not in out.text
+
+
+def test_stop_string_truncates_and_finishes(engine):
+    base = engine.generate("1, 2, 3, 4,", SamplingParams(max_tokens=20, ignore_eos=True))[0]
+    assert " 6" in base.text  # the model continues the count; stop at "6"
+    out = engine.generate(
+        "1, 2, 3, 4,", SamplingParams(max_tokens=20, stop=["6"], ignore_eos=True)
+    )[0]
+    assert out.finish_reason == "stop"
+    assert out.text == base.text[: base.text.index("6")]
+
+
+def test_seeded_sampling_is_reproducible_and_differs_across_seeds(engine):
+    def run(seed):
+        p = SamplingParams(max_tokens=16, temperature=1.0, seed=seed, ignore_eos=True)
+        return engine.generate("Once upon a time", p)[0].token_ids
+
+    assert run(1) == run(1)
+    assert len({tuple(run(s)) for s in range(4)}) > 1
+
+
+def test_more_prompts_than_rows_use_continuous_batching(engine):
+    # max_batch_size is 3: five prompts reuse rows as earlier requests finish.
+    prompts = ["a", "The sun", "def f(x):", "Hello", "1 + 1 ="]
+    lengths = [3, 9, 5, 12, 7]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
+    outs = engine.generate(prompts, params)
+    assert [len(o.token_ids) for o in outs] == lengths
+    alone = [engine.generate(p, sp)[0].token_ids for p, sp in zip(prompts, params)]
+    assert [o.token_ids for o in outs] == alone
+
+
+def test_token_id_prompts_and_mixed_kinds(engine):
+    ids = engine.tokenizer.encode("The capital of France is")
+    by_ids, by_text = engine.generate(
+        [ids, "The capital of France is"], SamplingParams(max_tokens=8)
+    )
+    assert by_ids.token_ids == by_text.token_ids
+
+
+@pytest.mark.parametrize(
+    "prompts, params, message",
+    [
+        ([""], None, "prompt 0 is empty"),
+        (["ok", []], None, "prompt 1 is empty"),
+        ([[1, 2, 10**9]], None, "out of range"),
+        (["a", "b"], [SamplingParams()], "2 prompts but 1 SamplingParams"),
+        ([], None, "no prompts"),
+        ([["not", "ids"]], None, "expected text, token ids or chat messages"),
+    ],
+)
+def test_bad_input_is_rejected_before_any_work(engine, prompts, params, message):
+    with pytest.raises(ValueError, match=message):
+        engine.generate(prompts, params)
+
+
+def test_too_long_prompt_names_the_context(engine):
+    with pytest.raises(ValueError, match="context is 8192"):
+        engine.generate([[5] * 9000])
+
+
+def test_missing_model_and_bad_dtype():
+    with pytest.raises(FileNotFoundError, match="no/such/model"):
+        Engine("no/such/model")
+    with pytest.raises(ValueError, match="unknown dtype"):
+        Engine("no/such/model", dtype="int3")
+
+
+def test_cli_streams_a_completion(smollm_gguf, capsys):
+    rc = cli_main(["generate", "The capital of France is", "--model", str(smollm_gguf),
+                   "--max-tokens", "6", "--no-chat", "--dtype", "float32"])  # fmt: skip
+    assert rc == 0
+    assert "Paris" in capsys.readouterr().out
+
+
+def test_cli_reports_bad_arguments(capsys):
+    assert cli_main(["generate", "hi", "--model", "no/such/model.gguf"]) == 2
+    assert "not found" in capsys.readouterr().err
+    assert cli_main(["generate", "hi", "--max-tokens", "-1"]) == 2
+    assert "max_tokens" in capsys.readouterr().err

@@ -1,0 +1,103 @@
+"""Greedy generation on SmolLM2 (fp32) must be token-identical to HF transformers' `generate`.
+
+The one tolerated divergence is a genuine near-tie: at the first differing step the reference's
+top-2 logits are within 1e-4 and we picked one of those two. Each such case is reported.
+"""
+
+import inspect
+import json
+import os
+import textwrap
+
+import pytest
+import torch
+
+from specinfer import Engine, SamplingParams
+
+NEW_TOKENS = 128
+NEAR_TIE = 1e-4
+
+WRITTEN = [
+    "The capital of France is",
+    "def quicksort(xs):",
+    "Once upon a time, in a small village by the sea,",
+    "Explain why the sky is blue in one paragraph.",
+    "1, 1, 2, 3, 5, 8, 13,",
+    "import numpy as np\n\n# Compute the moving average of a 1-D array",
+    "Q: What is the boiling point of water at sea level?\nA:",
+    "The three laws of thermodynamics are",
+]
+CHATS = [
+    [{"role": "user", "content": "Write a haiku about autumn leaves."}],
+    [{"role": "user", "content": "What is 17 times 23? Show your steps."}],
+]
+
+
+def _stdlib_prompts(n: int) -> list[str]:
+    """Real text nobody here wrote: the openings of standard-library docstrings."""
+    objs = [json.dumps, os.path.join, inspect.getsource, textwrap.dedent, sorted, zip, str.split,
+            dict.setdefault, os.walk, json.JSONDecoder]  # fmt: skip
+    return [inspect.getdoc(o)[:300] for o in objs][:n]
+
+
+@pytest.fixture(scope="module")
+def engine(smollm_gguf):
+    torch.set_num_threads(2)
+    return Engine(smollm_gguf, dtype="float32", max_batch_size=20)
+
+
+@pytest.fixture(scope="module")
+def hf_model(smollm_gguf):
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm_gguf.parent), gguf_file=smollm_gguf.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+def _hf_greedy(model, ids: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+    out = model.generate(
+        torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
+        return_dict_in_generate=True, eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    return out.sequences[0, len(ids) :].tolist(), [x[0] for x in out.logits]
+
+
+def _compare(ours: list[int], ref: list[int], ref_logits) -> str | None:
+    """None if identical, a near-tie report if they split at a near-tie; else the test fails."""
+    split = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
+    if split is None:
+        assert len(ours) == len(ref), f"lengths differ: {len(ours)} vs {len(ref)}"
+        return None
+    top2 = torch.topk(ref_logits[split], 2)
+    gap = (top2.values[0] - top2.values[1]).item()
+    assert gap < NEAR_TIE and ours[split] in top2.indices.tolist(), (
+        f"diverged at step {split}: ours {ours[split]}, reference {ref[split]}, top-2 gap {gap:.2e}"
+    )
+    return f"near-tie at step {split}: tokens {top2.indices.tolist()}, gap {gap:.1e}"
+
+
+def test_greedy_batch_of_20_prompts_matches_transformers(engine, hf_model):
+    prompts = WRITTEN + CHATS + _stdlib_prompts(10)
+    assert len(prompts) == 20
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = engine.generate(prompts, params)  # one batch: 20 prompts of different lengths
+    prompt_ids = [engine._prompt_ids(i, p) for i, p in enumerate(prompts)]
+    assert len({len(ids) for ids in prompt_ids}) > 10
+    ties = []
+    for i, (ids, out) in enumerate(zip(prompt_ids, outs)):
+        assert len(out.token_ids) == NEW_TOKENS
+        ref, ref_logits = _hf_greedy(hf_model, ids)
+        report = _compare(out.token_ids, ref, ref_logits)
+        if report:
+            ties.append(f"prompt {i}: {report}")
+    print(f"\n{len(prompts)} prompts x {NEW_TOKENS} tokens; near-ties: {len(ties)}")
+    for t in ties:
+        print("  " + t)
+
+
+def test_batch_one_equals_batched(engine):
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    batched = engine.generate(WRITTEN[:4], params)
+    single = [engine.generate(p, params)[0] for p in WRITTEN[:4]]
+    assert [b.token_ids for b in batched] == [s.token_ids for s in single]
