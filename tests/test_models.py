@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 TOL = 1e-4
 SMALL = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
 LLAMA = dict(SMALL, intermediate_size=128, max_position_embeddings=256, initializer_range=0.1)
+OPT = dict(SMALL, ffn_dim=128, max_position_embeddings=64, init_std=0.1, pad_token_id=1)
 CONFIGS = {
     "llama-gqa": lambda: transformers.LlamaConfig(**LLAMA, num_key_value_heads=2),
     "llama-mha-tied": lambda: transformers.LlamaConfig(
@@ -30,6 +31,11 @@ CONFIGS = {
     ),
     "llama-linear-rope": lambda: transformers.LlamaConfig(
         **LLAMA, num_key_value_heads=2, rope_scaling={"rope_type": "linear", "factor": 2.0}
+    ),
+    "opt-pre-ln": lambda: transformers.OPTConfig(**OPT),
+    "opt-post-ln": lambda: transformers.OPTConfig(**OPT, do_layer_norm_before=False),
+    "opt-proj-untied": lambda: transformers.OPTConfig(
+        **OPT, word_embed_proj_dim=32, tie_word_embeddings=False
     ),
 }
 

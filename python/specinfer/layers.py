@@ -57,6 +57,17 @@ def _param(*shape: int, loader=default_weight_loader) -> nn.Parameter:
     return p
 
 
+class ReplicatedEmbedding(nn.Module):
+    """A small table every rank holds whole (e.g. OPT's learned positions)."""
+
+    def __init__(self, num_embeddings: int, dim: int):
+        super().__init__()
+        self.weight = _param(num_embeddings, dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
 class ReplicatedLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()

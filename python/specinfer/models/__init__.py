@@ -6,8 +6,9 @@ from torch import nn
 
 from specinfer.models.config import ModelConfig
 from specinfer.models.llama import LlamaForCausalLM
+from specinfer.models.opt import OPTForCausalLM
 
-ARCHITECTURES: dict[str, type[nn.Module]] = {"llama": LlamaForCausalLM}
+ARCHITECTURES: dict[str, type[nn.Module]] = {"llama": LlamaForCausalLM, "opt": OPTForCausalLM}
 
 
 def build_model(config: ModelConfig) -> nn.Module:
