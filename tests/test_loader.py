@@ -1,0 +1,222 @@
+"""Loader: HF directories (single and sharded), GGUF files (quant types), and clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specinfer.loader import load_model
+
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+Q = gguf.GGMLQuantizationType
+
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    max_position_embeddings=64,
+    initializer_range=0.1,
+    architectures=["LlamaForCausalLM"],
+)
+
+
+def tiny_llama(tie: bool = False):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**TINY, tie_word_embeddings=tie)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def logits_of(model, ids: list[int]) -> torch.Tensor:
+    T = len(ids)
+    kv = model.make_kv_cache(1, T)
+    zero = torch.zeros(1, dtype=torch.long)
+    mask = torch.ones(1, T, T, dtype=torch.bool).tril()
+    with torch.no_grad():
+        h = model(torch.tensor([ids]), torch.arange(T)[None], kv, zero, zero, mask)
+        return model.compute_logits(h)[0]
+
+
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0]
+
+
+IDS = [3, 141, 59, 26, 5, 35, 89, 79]
+
+
+def test_sharded_checkpoint_with_index(tmp_path):
+    hf = tiny_llama()
+    hf.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    torch.testing.assert_close(
+        logits_of(load_model(tmp_path), IDS), hf_logits(hf, IDS), atol=1e-4, rtol=0
+    )
+
+
+def test_missing_path_config_and_weights(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        load_model(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(tiny_llama().config.to_dict()))
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        load_model(tmp_path)
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported: LlamaForCausalLM"):
+        load_model(tmp_path)
+
+
+def test_unsupported_rope_scaling(tmp_path):
+    config = dict(tiny_llama().config.to_dict(), rope_scaling={"rope_type": "yarn", "factor": 2.0})
+    config.pop("rope_parameters")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="yarn"):
+        load_model(tmp_path)
+
+
+def break_checkpoint(tmp_path, edit):
+    tiny_llama().save_pretrained(tmp_path, safe_serialization=True)
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path)
+
+
+def test_shape_mismatch_names_tensor_and_shapes(tmp_path):
+    name = "model.layers.1.self_attn.k_proj.weight"
+    break_checkpoint(tmp_path, lambda t: t.update({name: torch.zeros(64, 64)}))
+    with pytest.raises(ValueError, match=rf"{name}.*\(32, 64\).*\(64, 64\)"):
+        load_model(tmp_path)
+
+
+def test_missing_tensors_are_listed(tmp_path):
+    def drop(t):
+        del t["model.layers.0.mlp.up_proj.weight"], t["model.norm.weight"]
+
+    break_checkpoint(tmp_path, drop)
+    with pytest.raises(ValueError, match="missing") as err:
+        load_model(tmp_path)
+    assert "model.norm.weight" in str(err.value) and "gate_up_proj" in str(err.value)
+
+
+def test_unexpected_tensor(tmp_path):
+    break_checkpoint(tmp_path, lambda t: t.update({"model.extra.weight": torch.zeros(2)}))
+    with pytest.raises(ValueError, match="model.extra.weight"):
+        load_model(tmp_path)
+
+
+# --- GGUF -------------------------------------------------------------------------------------
+
+GGUF_NAMES = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    module, kind = hf_name.rsplit(".", 1)
+    if module.startswith("model.layers."):
+        _, _, layer, rest = module.split(".", 3)
+        return f"blk.{layer}.{GGUF_NAMES[rest]}.{kind}"
+    return f"{GGUF_NAMES[module]}.{kind}"
+
+
+def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf does to q/k rows (its RoPE pairs adjacent dims)."""
+    return (
+        w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def write_gguf(path, hf, qtype, arch="llama", extra=None):
+    """Convert `hf` as llama.cpp would: matrices as `qtype`, norms F32. Returns, per HF name,
+    the weight the file really holds (after the quantisation round trip)."""
+    c = hf.config
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    stored = {}
+    for name, t in hf.state_dict().items():
+        if c.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        data = t.numpy()
+        if data.ndim == 2:
+            data = gguf.quants.dequantize(gguf.quants.quantize(data, qtype), qtype)
+            stored[name] = torch.from_numpy(data.copy())
+            if "q_proj" in name:
+                data = llama_cpp_permute(data, c.num_attention_heads)
+            elif "k_proj" in name:
+                data = llama_cpp_permute(data, c.num_key_value_heads)
+            q = gguf.quants.quantize(np.ascontiguousarray(data), qtype)
+            w.add_tensor(gguf_name(name), q, raw_dtype=qtype if q.dtype == np.uint8 else None)
+        else:
+            stored[name] = t.clone()
+            w.add_tensor(gguf_name(name), data)
+    for name, data in (extra or {}).items():
+        w.add_tensor(name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return stored
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1])
+@pytest.mark.parametrize("tie", [False, True])
+def test_gguf_quant_types_load_exactly(tmp_path, qtype, tie):
+    hf = tiny_llama(tie)
+    stored = write_gguf(tmp_path / "m.gguf", hf, qtype)
+    hf.load_state_dict(stored, strict=False)  # HF now holds exactly what the file holds
+    model = load_model(tmp_path / "m.gguf")
+    assert model.config.tie_word_embeddings == tie
+    assert model.config.num_kv_heads == 2 and model.config.intermediate_size == 128
+    torch.testing.assert_close(logits_of(model, IDS), hf_logits(hf, IDS), atol=1e-4, rtol=0)
+
+
+def test_gguf_unsupported_quant_type_names_tensor(tmp_path):
+    extra = {"blk.0.attn_q.bias": np.zeros(64, dtype=np.int8)}
+    write_gguf(tmp_path / "m.gguf", tiny_llama(), Q.F32, extra=extra)
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_q\.bias.*I8"):
+        load_model(tmp_path / "m.gguf")
+
+
+def test_gguf_unsupported_architecture(tmp_path):
+    write_gguf(tmp_path / "m.gguf", tiny_llama(), Q.F32, arch="gpt2")
+    with pytest.raises(ValueError, match="gpt2"):
+        load_model(tmp_path / "m.gguf")
+
+
+def test_not_a_model_file(tmp_path):
+    (tmp_path / "weights.bin").write_bytes(b"\0")
+    with pytest.raises(ValueError, match="weights.bin"):
+        load_model(tmp_path / "weights.bin")
