@@ -159,6 +159,10 @@ def _bad_args():
     return list(make_case(gen, 2, 3, [4, 5], (9, 3), 64))
 
 
+def _narrow_kv_head_dim(args):
+    args[1], args[2] = args[1][..., :32], args[2][..., :32]
+
+
 @pytest.mark.parametrize(
     "change,message",
     [
@@ -172,9 +176,9 @@ def _bad_args():
         (lambda a: a.__setitem__(4, torch.tensor([4])), r"prefix_lens.shape\[0\] must be 2"),
         (lambda a: a.__setitem__(5, a[5][:, :2]), r"tree_mask.shape\[1\] must be 3"),
         (lambda a: a.__setitem__(5, a[5].float()), r"tree_mask must be bool or uint8, got float32"),
-        (lambda a: a.__setitem__(1, a[1][..., :32]), r"k_cache.shape\[3\] must be 64"),
+        (lambda a: a.__setitem__(2, a[2][..., :32]), r"v_cache must have the shape of k_cache \[4, 3, 11, 64\], got \[4, 3, 11, 32\]"),
+        (_narrow_kv_head_dim, r"k_cache.shape\[3\] must be 64 \(head_dim of q\), got 32"),
         (lambda a: a.__setitem__(0, a[0].transpose(1, 3).contiguous().transpose(1, 3)), r"q must be contiguous in its last dim"),
-        (lambda a: a.__setitem__(0, [1.0]), r"q must be a tensor with __dlpack__"),
     ],
 )
 def test_tree_attention_errors(change, message):
@@ -186,6 +190,8 @@ def test_tree_attention_errors(change, message):
 
 def test_tree_attention_error_out_and_dtype():
     q, k, v, rows, prefix, mask = _bad_args()
+    with pytest.raises(ValueError, match=r"q must be a tensor with __dlpack__ \(e.g. torch.Tensor\), got list"):
+        _C.tree_attention([1.0], k, v, rows, prefix, mask, q, 1.0)
     with pytest.raises(ValueError, match=r"out must have the shape of q \[2, 3, 9, 64\], got \[2, 3, 9, 32\]"):
         _C.tree_attention(q, k, v, rows, prefix, mask, torch.empty(2, 3, 9, 32), 1.0)
     h = [t.half() if t.is_floating_point() else t for t in (q, k, v, rows, prefix, mask)]

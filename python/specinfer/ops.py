@@ -68,7 +68,10 @@ def tree_attention(
         return tree_attention_reference(q, k_cache, v_cache, cache_rows, prefix_lens, tree_mask, scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     out = torch.empty_like(q)
-    _C.tree_attention(q, k_cache, v_cache, cache_rows, prefix_lens, tree_mask, out, scale)
+    # __dlpack__ refuses tensors that require grad; the kernel is inference-only anyway.
+    args = [t.detach() for t in (q, k_cache, v_cache, cache_rows, prefix_lens, tree_mask)]
+    stream = torch.cuda.current_stream(q.device).cuda_stream if q.is_cuda else 0
+    _C.tree_attention(*args, out, scale, stream)
     return out
 
 

@@ -1,0 +1,91 @@
+// The only file that knows Python. Tensors arrive as any object with __dlpack__ and are handed to
+// the ops as checked views; the ops never see Python objects.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+#include <vector>
+
+#include "core/dlpack.h"
+#include "core/tensor_view.h"
+#include "ops.h"
+
+namespace py = pybind11;
+using namespace specinfer;
+
+namespace {
+
+// A tensor borrowed for one call. The capsule is held (keeping the producer's memory alive) and
+// never renamed, so its own destructor releases the DLManagedTensor afterwards.
+struct Borrowed {
+  py::object capsule;
+  TensorView view;
+};
+
+Borrowed borrow(py::handle obj, const std::string& op, const char* name) {
+  if (!py::hasattr(obj, "__dlpack__")) {
+    fail(op, std::string(name) + " must be a tensor with __dlpack__ (e.g. torch.Tensor), got " +
+                 std::string(py::str(py::type::of(obj).attr("__name__"))));
+  }
+  py::object capsule = obj.attr("__dlpack__")();
+  auto* managed =
+      static_cast<dlpack::ManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), "dltensor"));
+  if (managed == nullptr) {
+    PyErr_Clear();
+    fail(op, std::string(name) + ".__dlpack__() did not return a \"dltensor\" capsule");
+  }
+  return {capsule, view_from_dlpack(managed->dl_tensor, op, name)};
+}
+
+void tree_attention(py::handle q, py::handle k_cache, py::handle v_cache, py::handle cache_rows,
+                    py::handle prefix_lens, py::handle tree_mask, py::handle out, float scale,
+                    uintptr_t stream) {
+  const std::string op = "tree_attention";
+  Borrowed bq = borrow(q, op, "q"), bk = borrow(k_cache, op, "k_cache"),
+           bv = borrow(v_cache, op, "v_cache"), brows = borrow(cache_rows, op, "cache_rows"),
+           bprefix = borrow(prefix_lens, op, "prefix_lens"),
+           bmask = borrow(tree_mask, op, "tree_mask"), bout = borrow(out, op, "out");
+  TreeAttentionArgs args{bq.view,      bk.view,    bv.view,   brows.view,
+                         bprefix.view, bmask.view, bout.view, scale};
+  check_tree_attention_args(args);
+  py::gil_scoped_release release;
+  if (args.q.device == Device::kCPU) {
+    tree_attention_cpu(args);
+    return;
+  }
+#ifdef SPECINFER_WITH_CUDA
+  tree_attention_cuda(args, stream);
+#else
+  (void)stream;
+  fail(op, "q is a cuda tensor but specinfer._C was built without CUDA");
+#endif
+}
+
+std::vector<std::string> backends() {
+#ifdef SPECINFER_WITH_CUDA
+  return {"cpu", "cuda"};
+#else
+  return {"cpu"};
+#endif
+}
+
+int device_count() {
+#ifdef SPECINFER_WITH_CUDA
+  return cuda_device_count();
+#else
+  return 0;
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "specinfer compiled core; see specinfer.ops for the Python-facing wrappers";
+  m.def("tree_attention", &tree_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("cache_rows"), py::arg("prefix_lens"), py::arg("tree_mask"), py::arg("out"),
+        py::arg("scale"), py::arg("stream") = 0,
+        "Tree attention into `out` (semantics: specinfer.ops.tree_attention_reference). "
+        "`stream` is the cudaStream_t (as int) for CUDA tensors.");
+  m.def("backends", &backends, "Backends compiled in, e.g. ['cpu', 'cuda'].");
+  m.def("cuda_device_count", &device_count, "Visible CUDA devices; 0 without CUDA or a driver.");
+}

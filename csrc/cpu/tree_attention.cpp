@@ -1,0 +1,119 @@
+#include "cpu/tree_attention.h"
+
+#include <vector>
+
+#include "cpu/cpu_features.h"
+#include "ops.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace specinfer {
+namespace cpu {
+namespace {
+
+// One copy of the kernel per instruction set; the always-inline kernel is vectorised for the
+// caller's target, and the choice is made once at run time.
+template <typename T>
+SPECINFER_TARGET(SPECINFER_AVX512)
+void block_avx512(const TreeAttentionProblem<T>& p, int64_t b, int64_t h, int64_t t0, int64_t t1,
+                  float* w) {
+  attend_block(p, b, h, t0, t1, w);
+}
+
+template <typename T>
+SPECINFER_TARGET(SPECINFER_AVX2)
+void block_avx2(const TreeAttentionProblem<T>& p, int64_t b, int64_t h, int64_t t0, int64_t t1,
+                float* w) {
+  attend_block(p, b, h, t0, t1, w);
+}
+
+template <typename T>
+void block_generic(const TreeAttentionProblem<T>& p, int64_t b, int64_t h, int64_t t0, int64_t t1,
+                   float* w) {
+  attend_block(p, b, h, t0, t1, w);
+}
+
+template <typename T>
+void run(const TreeAttentionArgs& a, const std::vector<int64_t>& rows,
+         const std::vector<int64_t>& prefix) {
+  TreeAttentionProblem<T> p;
+  p.q = a.q.ptr<const T>();
+  p.k = a.k_cache.ptr<const T>();
+  p.v = a.v_cache.ptr<const T>();
+  p.mask = a.tree_mask.ptr<const uint8_t>();
+  p.out = a.out.ptr<T>();
+  for (int i = 0; i < 3; ++i) {
+    p.q_stride[i] = a.q.strides[i];
+    p.k_stride[i] = a.k_cache.strides[i];
+    p.v_stride[i] = a.v_cache.strides[i];
+    p.mask_stride[i] = a.tree_mask.strides[i];
+    p.out_stride[i] = a.out.strides[i];
+  }
+  p.cache_rows = rows.data();
+  p.prefix_lens = prefix.data();
+  p.tokens = a.tokens();
+  p.group = a.group();
+  p.head_dim = a.head_dim();
+  p.scale = a.scale;
+
+  const int64_t B = a.batch(), T_ = a.tokens(), Hkv = a.kv_heads();
+  int threads = 1;
+#ifdef _OPENMP
+  threads = omp_get_max_threads();
+#endif
+  // Long blocks (prefill) are split into query chunks so every core has work even when
+  // B * Hkv is small; each chunk re-reads K/V, which is cheap next to its compute.
+  int64_t chunk = T_;
+  if (T_ >= 32) {
+    const int64_t want = (4 * threads + B * Hkv - 1) / (B * Hkv);
+    const int64_t chunks = std::max<int64_t>(1, std::min((T_ + 15) / 16, want));
+    chunk = (T_ + chunks - 1) / chunks;
+  }
+  const int64_t chunks = (T_ + chunk - 1) / chunk;
+  const int64_t items = B * Hkv * chunks;
+
+  auto block = block_generic<T>;
+  if (has_avx512()) {
+    block = block_avx512<T>;
+  } else if (has_avx2_fma()) {
+    block = block_avx2<T>;
+  }
+
+#pragma omp parallel
+  {
+    std::vector<float> scratch(tree_attention_scratch(chunk * p.group, p.head_dim));
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < items; ++i) {
+      const int64_t c = i % chunks, h = (i / chunks) % Hkv, b = i / (chunks * Hkv);
+      block(p, b, h, c * chunk, std::min(T_, (c + 1) * chunk), scratch.data());
+    }
+  }
+}
+
+}  // namespace
+}  // namespace cpu
+
+void tree_attention_cpu(const TreeAttentionArgs& a) {
+  const std::string op = "tree_attention";
+  if (a.q.dtype != DType::kFloat32 && a.q.dtype != DType::kBFloat16) {
+    fail(op,
+         std::string(dtype_name(a.q.dtype)) + " is not supported on cpu (use float32 or bfloat16)");
+  }
+  const int64_t B = a.batch();
+  std::vector<int64_t> rows(B), prefix(B);
+  for (int64_t b = 0; b < B; ++b) {
+    rows[b] = index_at(a.cache_rows, b);
+    prefix[b] = index_at(a.prefix_lens, b);
+  }
+  check_tree_attention_indices(a, rows, prefix);
+  if (B == 0 || a.tokens() == 0 || a.q_heads() == 0) return;
+  if (a.q.dtype == DType::kFloat32) {
+    cpu::run<float>(a, rows, prefix);
+  } else {
+    cpu::run<bf16>(a, rows, prefix);
+  }
+}
+
+}  // namespace specinfer

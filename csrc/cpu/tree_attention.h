@@ -1,0 +1,150 @@
+// CPU tree attention: the templated kernel for one work item (request b, KV head h, query tokens
+// [t0, t1)). All the group's query heads are processed together, so each K/V row is loaded once
+// per item and reused for every (token, head) query row; softmax is online over key tiles.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+#include "core/numeric.h"
+
+namespace specinfer::cpu {
+
+// Raw pointers and element strides, so the kernel knows nothing about views or Python.
+template <typename T>
+struct TreeAttentionProblem {
+  const T* q;  // [B, T, Hq, D]
+  int64_t q_stride[3];
+  const T* k;  // [N, Hkv, S, D]
+  const T* v;
+  int64_t k_stride[3];
+  int64_t v_stride[3];
+  const uint8_t* mask;  // [B, T, T], nonzero = visible
+  int64_t mask_stride[3];
+  T* out;  // [B, T, Hq, D]
+  int64_t out_stride[3];
+  const int64_t* cache_rows;   // [B]
+  const int64_t* prefix_lens;  // [B]
+  int64_t tokens, group, head_dim;
+  float scale;
+};
+
+constexpr int64_t kKeyTile = 32;
+
+// Floats of scratch one work item with `rows` query rows needs.
+inline int64_t tree_attention_scratch(int64_t rows, int64_t head_dim) {
+  return 2 * rows * head_dim + 2 * rows + rows * kKeyTile + 2 * kKeyTile * head_dim;
+}
+
+SPECINFER_INLINE float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+template <typename T>
+SPECINFER_INLINE void load_scaled(const T* src, float* dst, int64_t n, float scale) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]) * scale;
+}
+
+template <typename T>
+SPECINFER_INLINE void attend_block(const TreeAttentionProblem<T>& p, int64_t b, int64_t h,
+                                   int64_t t0, int64_t t1, float* scratch) {
+  const int64_t D = p.head_dim, G = p.group, R = (t1 - t0) * G;
+  float* q = scratch;             // [R, D], pre-scaled
+  float* acc = q + R * D;         // [R, D]
+  float* m = acc + R * D;         // [R] running max
+  float* l = m + R;               // [R] running sum of exp
+  float* s = l + R;               // [R, kKeyTile] scores, then probabilities
+  float* kt = s + R * kKeyTile;   // [kKeyTile, D]
+  float* vt = kt + kKeyTile * D;  // [kKeyTile, D]
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  // Row r is (token t0 + r / G, query head h * G + r % G).
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t t = t0 + r / G, head = h * G + r % G;
+    load_scaled(p.q + b * p.q_stride[0] + t * p.q_stride[1] + head * p.q_stride[2], q + r * D, D,
+                p.scale);
+    std::fill(acc + r * D, acc + (r + 1) * D, 0.0f);
+    m[r] = neg_inf;
+    l[r] = 0.0f;
+  }
+
+  // Keys past the last new token any row of this block sees are skipped (halves causal prefill).
+  const int64_t n = p.prefix_lens[b];
+  const uint8_t* mask = p.mask + b * p.mask_stride[0];
+  int64_t last_new = -1;
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t j = p.tokens - 1; j > last_new; --j) {
+      if (mask[t * p.mask_stride[1] + j * p.mask_stride[2]]) {
+        last_new = j;
+        break;
+      }
+    }
+  }
+  const int64_t key_end = n + last_new + 1;
+
+  const int64_t row = p.cache_rows[b];
+  const T* kbase = p.k + row * p.k_stride[0] + h * p.k_stride[1];
+  const T* vbase = p.v + row * p.v_stride[0] + h * p.v_stride[1];
+  for (int64_t k0 = 0; k0 < key_end; k0 += kKeyTile) {
+    const int64_t kn = std::min(kKeyTile, key_end - k0);
+    for (int64_t j = 0; j < kn; ++j) {
+      load_scaled(kbase + (k0 + j) * p.k_stride[2], kt + j * D, D, 1.0f);
+      load_scaled(vbase + (k0 + j) * p.v_stride[2], vt + j * D, D, 1.0f);
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      for (int64_t j = 0; j < kn; ++j) s[r * kKeyTile + j] = dot(q + r * D, kt + j * D, D);
+    }
+    if (k0 + kn > n) {  // the tile reaches the new tokens: apply the tree mask
+      for (int64_t r = 0; r < R; ++r) {
+        const uint8_t* mrow = mask + (t0 + r / G) * p.mask_stride[1];
+        for (int64_t j = std::max<int64_t>(0, n - k0); j < kn; ++j) {
+          if (!mrow[(k0 + j - n) * p.mask_stride[2]]) s[r * kKeyTile + j] = neg_inf;
+        }
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      float* sr = s + r * kKeyTile;
+      float tile_max = neg_inf;
+      for (int64_t j = 0; j < kn; ++j) tile_max = std::max(tile_max, sr[j]);
+      if (tile_max == neg_inf) continue;  // nothing visible in this tile
+      const float m_new = std::max(m[r], tile_max);
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < kn; ++j) {
+        sr[j] = fast_exp(sr[j] - m_new);
+        sum += sr[j];
+      }
+      float* ar = acc + r * D;
+      if (m_new != m[r]) {
+        const float alpha = fast_exp(m[r] - m_new);
+        l[r] *= alpha;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
+        m[r] = m_new;
+      }
+      l[r] += sum;
+      for (int64_t j = 0; j < kn; ++j) {
+        const float pj = sr[j];
+        const float* vj = vt + j * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ar[d] += pj * vj[d];
+      }
+    }
+  }
+
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t t = t0 + r / G, head = h * G + r % G;
+    T* o = p.out + b * p.out_stride[0] + t * p.out_stride[1] + head * p.out_stride[2];
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;  // a row that saw nothing gets zeros
+    const float* ar = acc + r * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) o[d] = from_float<T>(ar[d] * inv);
+  }
+}
+
+}  // namespace specinfer::cpu

@@ -1,0 +1,128 @@
+#include <string>
+#include <vector>
+
+#include "cuda/cuda_check.h"
+#include "cuda/tree_attention.cuh"
+#include "ops.h"
+
+namespace specinfer {
+namespace cuda {
+namespace {
+
+constexpr const char* kOp = "tree_attention";
+
+// Copies a strided [B] index tensor from the device; the binding validates the values on the host.
+std::vector<int64_t> indices_to_host(const TensorView& v, cudaStream_t stream) {
+  const int64_t n = v.shape[0];
+  const size_t elem = v.dtype == DType::kInt64 ? 8 : 4;
+  std::vector<unsigned char> raw(n * elem);
+  if (n > 0) {
+    check(cudaMemcpy2DAsync(raw.data(), elem, v.data, v.strides[0] * elem, elem, n,
+                            cudaMemcpyDeviceToHost, stream),
+          kOp, "copying indices to the host");
+    check(cudaStreamSynchronize(stream), kOp, "cudaStreamSynchronize");
+  }
+  std::vector<int64_t> out(n);
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = elem == 8 ? reinterpret_cast<const int64_t*>(raw.data())[i]
+                       : reinterpret_cast<const int32_t*>(raw.data())[i];
+  }
+  return out;
+}
+
+template <typename T, int D>
+void launch(const TreeAttentionParams& p, int batch, cudaStream_t stream) {
+  constexpr size_t smem = tree_attention_smem_bytes<D>();
+  auto kernel = tree_attention_kernel<T, D>;
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)), kOp,
+        "cudaFuncSetAttribute");
+  const int row_blocks = (p.tokens * p.group + kRowsPerBlock - 1) / kRowsPerBlock;
+  dim3 grid(unsigned(batch) * unsigned(p.kv_heads), unsigned(row_blocks));
+  kernel<<<grid, kWarps * 32, smem, stream>>>(p);
+  check(cudaGetLastError(), kOp, "kernel launch");
+}
+
+template <typename T>
+void launch_dtype(const TreeAttentionParams& p, int batch, int head_dim, cudaStream_t stream) {
+  if (head_dim == 64) {
+    launch<T, 64>(p, batch, stream);
+  } else {
+    launch<T, 128>(p, batch, stream);
+  }
+}
+
+}  // namespace
+}  // namespace cuda
+
+void tree_attention_cuda(const TreeAttentionArgs& a, uintptr_t stream_handle) {
+  using namespace cuda;
+  if (a.q.dtype != DType::kFloat32 && a.q.dtype != DType::kFloat16 &&
+      a.q.dtype != DType::kBFloat16) {
+    fail(kOp, std::string(dtype_name(a.q.dtype)) +
+                  " is not supported on cuda (use float16, bfloat16 or float32)");
+  }
+  if (a.head_dim() != 64 && a.head_dim() != 128) {
+    fail(kOp, "head_dim " + std::to_string(a.head_dim()) + " is not supported on cuda (64 or 128)");
+  }
+  if (a.batch() * a.tokens() > (int64_t(1) << 31) / 32 || a.tokens() * a.q_heads() > (1 << 30)) {
+    fail(kOp, "batch * tokens " + std::to_string(a.batch() * a.tokens()) + " is too large");
+  }
+  DeviceGuard guard(a.q.device_id, kOp);
+  auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  check_tree_attention_indices(a, indices_to_host(a.cache_rows, stream),
+                               indices_to_host(a.prefix_lens, stream));
+  const int B = int(a.batch()), T = int(a.tokens());
+  if (B == 0 || T == 0 || a.q_heads() == 0) return;
+
+  TreeAttentionParams p;
+  p.q = a.q.data;
+  p.k = a.k_cache.data;
+  p.v = a.v_cache.data;
+  p.out = a.out.data;
+  for (int i = 0; i < 3; ++i) {
+    p.q_stride[i] = a.q.strides[i];
+    p.k_stride[i] = a.k_cache.strides[i];
+    p.v_stride[i] = a.v_cache.strides[i];
+    p.out_stride[i] = a.out.strides[i];
+  }
+  p.cache_rows = a.cache_rows.data;
+  p.cache_rows_stride = a.cache_rows.strides[0];
+  p.cache_rows_64 = a.cache_rows.dtype == DType::kInt64;
+  p.prefix_lens = a.prefix_lens.data;
+  p.prefix_lens_stride = a.prefix_lens.strides[0];
+  p.prefix_lens_64 = a.prefix_lens.dtype == DType::kInt64;
+  p.tokens = T;
+  p.words = (T + 31) / 32;
+  p.group = int(a.group());
+  p.kv_heads = int(a.kv_heads());
+  p.scale_log2 = a.scale * 1.4426950408889634f;
+
+  // Packed mask bits and per-token last visible index, stream-ordered scratch.
+  const size_t bit_words = size_t(B) * T * p.words;
+  void* scratch = nullptr;
+  check(cudaMallocAsync(&scratch, (bit_words + size_t(B) * T) * 4, stream), kOp, "cudaMallocAsync");
+  p.mask_bits = static_cast<uint32_t*>(scratch);
+  p.last_visible = reinterpret_cast<int32_t*>(static_cast<uint32_t*>(scratch) + bit_words);
+  const auto& m = a.tree_mask;
+  const int pack_threads = 128;
+  const int pack_blocks = int((int64_t(B) * T + pack_threads - 1) / pack_threads);
+  pack_tree_mask<<<pack_blocks, pack_threads, 0, stream>>>(
+      m.ptr<const uint8_t>(), m.strides[0], m.strides[1], m.strides[2], B, T, p.words,
+      const_cast<uint32_t*>(p.mask_bits), const_cast<int32_t*>(p.last_visible));
+  check(cudaGetLastError(), kOp, "mask packing launch");
+
+  switch (a.q.dtype) {
+    case DType::kFloat32:
+      launch_dtype<float>(p, B, int(a.head_dim()), stream);
+      break;
+    case DType::kFloat16:
+      launch_dtype<__half>(p, B, int(a.head_dim()), stream);
+      break;
+    default:
+      launch_dtype<__nv_bfloat16>(p, B, int(a.head_dim()), stream);
+      break;
+  }
+  check(cudaFreeAsync(scratch, stream), kOp, "cudaFreeAsync");
+}
+
+}  // namespace specinfer
