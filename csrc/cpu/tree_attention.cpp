@@ -13,26 +13,39 @@ namespace specinfer {
 namespace cpu {
 namespace {
 
+template <typename T>
+SPECINFER_INLINE void dispatch_head_dim(const TreeAttentionProblem<T>& p, int64_t b, int64_t h,
+                                        int64_t t0, int64_t t1, float* w) {
+  switch (p.head_dim) {
+    case 64:
+      return attend_block<T, 64>(p, b, h, t0, t1, w);
+    case 128:
+      return attend_block<T, 128>(p, b, h, t0, t1, w);
+    default:
+      return attend_block<T, 0>(p, b, h, t0, t1, w);
+  }
+}
+
 // One copy of the kernel per instruction set; the always-inline kernel is vectorised for the
 // caller's target, and the choice is made once at run time.
 template <typename T>
 SPECINFER_TARGET(SPECINFER_AVX512)
 void block_avx512(const TreeAttentionProblem<T>& p, int64_t b, int64_t h, int64_t t0, int64_t t1,
                   float* w) {
-  attend_block(p, b, h, t0, t1, w);
+  dispatch_head_dim(p, b, h, t0, t1, w);
 }
 
 template <typename T>
 SPECINFER_TARGET(SPECINFER_AVX2)
 void block_avx2(const TreeAttentionProblem<T>& p, int64_t b, int64_t h, int64_t t0, int64_t t1,
                 float* w) {
-  attend_block(p, b, h, t0, t1, w);
+  dispatch_head_dim(p, b, h, t0, t1, w);
 }
 
 template <typename T>
 void block_generic(const TreeAttentionProblem<T>& p, int64_t b, int64_t h, int64_t t0, int64_t t1,
                    float* w) {
-  attend_block(p, b, h, t0, t1, w);
+  dispatch_head_dim(p, b, h, t0, t1, w);
 }
 
 template <typename T>
@@ -81,7 +94,12 @@ void run(const TreeAttentionArgs& a, const std::vector<int64_t>& rows,
     block = block_avx2<T>;
   }
 
-#pragma omp parallel
+  // Forking threads costs tens of microseconds on a busy 2-core machine: small calls stay serial.
+  int64_t work = 0;
+  for (int64_t b = 0; b < B; ++b) work += (prefix[b] + T_) * T_;
+  const bool parallel = work * a.q_heads() * a.head_dim() >= (int64_t(1) << 20);
+
+#pragma omp parallel if (parallel)
   {
     std::vector<float> scratch(tree_attention_scratch(chunk * p.group, p.head_dim));
 #pragma omp for schedule(dynamic, 1)

@@ -50,10 +50,11 @@ SPECINFER_INLINE void load_scaled(const T* src, float* dst, int64_t n, float sca
   for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]) * scale;
 }
 
-template <typename T>
+// kD > 0 fixes head_dim at compile time (fully unrolled inner loops); 0 reads it from p.
+template <typename T, int kD>
 SPECINFER_INLINE void attend_block(const TreeAttentionProblem<T>& p, int64_t b, int64_t h,
                                    int64_t t0, int64_t t1, float* scratch) {
-  const int64_t D = p.head_dim, G = p.group, R = (t1 - t0) * G;
+  const int64_t D = kD > 0 ? kD : p.head_dim, G = p.group, R = (t1 - t0) * G;
   float* q = scratch;             // [R, D], pre-scaled
   float* acc = q + R * D;         // [R, D]
   float* m = acc + R * D;         // [R] running max
