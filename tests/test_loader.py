@@ -220,3 +220,22 @@ def test_not_a_model_file(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"\0")
     with pytest.raises(ValueError, match="weights.bin"):
         load_model(tmp_path / "weights.bin")
+
+
+def test_opt_checkpoint_without_model_prefix(tmp_path):
+    """Original OPT checkpoints name tensors `decoder.*`, without HF's `model.` prefix."""
+    config = transformers.OPTConfig(
+        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
+        max_position_embeddings=64, architectures=["OPTForCausalLM"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.OPTForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    tensors = load_file(tmp_path / "model.safetensors")
+    save_file(
+        {k.removeprefix("model."): v for k, v in tensors.items()}, tmp_path / "model.safetensors"
+    )
+    assert any(k.startswith("decoder.") for k in load_file(tmp_path / "model.safetensors"))
+    torch.testing.assert_close(
+        logits_of(load_model(tmp_path), IDS), hf_logits(hf, IDS), atol=1e-4, rtol=0
+    )

@@ -46,6 +46,10 @@ def build_pair(name, tmp_path, dtype=torch.float32):
     config.architectures = [f"{type(config).__name__.removesuffix('Config')}ForCausalLM"]
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # HF initialises biases to 0 and norms to 1: perturb them to test them
+        for p in hf.parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.1)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     return hf, load_model(tmp_path, dtype=dtype)
 
@@ -155,3 +159,29 @@ def test_smollm2_gguf_matches_transformers(smollm_gguf):
         causal = torch.ones(1, T, T, dtype=torch.bool).tril()
         logits = step(model, kv, [prompt], [list(range(T))], [0], causal)[0]
         torch.testing.assert_close(logits, hf_logits(hf, prompt), atol=TOL, rtol=0)
+
+
+def _tensor_parallel_worker(rank, world, tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=rank, world_size=world
+    )
+    try:
+        torch.set_num_threads(1)
+        model = load_model(tmp_path)
+        assert model.lm_head.weight.shape[0] == model.config.vocab_size // world
+        logits = prefill(model, model.make_kv_cache(len(PROMPTS), 32))
+        if rank == 0:
+            torch.save(logits, tmp_path / "tp_logits.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "opt-proj-untied"])
+def test_tensor_parallel_world_2_matches_world_1(name, tmp_path):
+    _, model = build_pair(name, tmp_path)
+    expected = prefill(model, model.make_kv_cache(len(PROMPTS), 32))
+    torch.multiprocessing.spawn(_tensor_parallel_worker, args=(2, tmp_path), nprocs=2)
+    got = torch.load(tmp_path / "tp_logits.pt")
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)

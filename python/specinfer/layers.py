@@ -237,11 +237,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions [B, T]; q, k [B, T, H, D] -> rotated q, k."""
-        cos = self.cos[positions].unsqueeze(2).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(2).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos, sin [B, T, 1, D] for positions [B, T], computed once per forward pass."""
+        return self.cos[positions].unsqueeze(2).to(dtype), self.sin[positions].unsqueeze(2).to(
+            dtype
+        )
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotate q, k [B, T, H, D] by their positions' angles."""
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

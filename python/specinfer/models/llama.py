@@ -20,6 +20,7 @@ from specinfer.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
+    apply_rotary,
     divide,
 )
 from specinfer.models.config import ModelConfig
@@ -39,13 +40,13 @@ class LlamaAttention(nn.Module):
             cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.attention_bias
         )
 
-    def forward(self, x, positions, rotary, kv, cache_rows, prefix_lens, slots, tree_mask):
+    def forward(self, x, cos, sin, kv, cache_rows, prefix_lens, slots, tree_mask):
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.local_sizes, dim=-1)
         q = q.view(B, T, self.num_heads, self.head_dim)
         k = k.view(B, T, self.num_kv_heads, self.head_dim)
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, k, cos, sin)
         kv.write(self.layer, k, v, cache_rows, slots)
         out = ops.tree_attention(
             q, kv.k[self.layer], kv.v[self.layer], cache_rows, prefix_lens, tree_mask
@@ -122,8 +123,9 @@ class LlamaForCausalLM(nn.Module):
         T = input_ids.shape[1]
         slots = prefix_lens[:, None] + torch.arange(T, device=input_ids.device)
         h = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, h.dtype)
         for layer in self.model.layers:
-            h = layer(h, positions, self.rotary, kv, cache_rows, prefix_lens, slots, tree_mask)
+            h = layer(h, cos, sin, kv, cache_rows, prefix_lens, slots, tree_mask)
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
