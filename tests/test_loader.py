@@ -239,3 +239,27 @@ def test_opt_checkpoint_without_model_prefix(tmp_path):
     torch.testing.assert_close(
         logits_of(load_model(tmp_path), IDS), hf_logits(hf, IDS), atol=1e-4, rtol=0
     )
+
+
+def test_gguf_rope_freqs_reproduce_llama3_scaling(tmp_path):
+    """Llama 3.1 GGUFs carry RoPE scaling as per-frequency divisors (`rope_freqs.weight`)."""
+    torch.manual_seed(0)
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }
+    hf = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**TINY, rope_scaling=scaling)
+    ).eval()
+    head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
+    plain = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    factors = (plain / hf.model.rotary_emb.inv_freq).numpy()
+    assert factors.max() > 2  # the scaling matters at these positions
+    write_gguf(tmp_path / "m.gguf", hf, Q.F32, extra={"rope_freqs.weight": factors})
+    ids = IDS * 3  # long enough to reach the scaled wavelengths
+    torch.testing.assert_close(
+        logits_of(load_model(tmp_path / "m.gguf"), ids), hf_logits(hf, ids), atol=1e-4, rtol=0
+    )
