@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
 from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
@@ -93,9 +95,6 @@ def _load_hf_dir(path: Path, dtype, device) -> nn.Module:
 
 
 def _load_gguf(path: Path, dtype, device) -> nn.Module:
-    from gguf import GGMLQuantizationType, GGUFReader
-    from gguf.quants import dequantize
-
     reader = GGUFReader(path)
     meta = {
         key: field.contents()
