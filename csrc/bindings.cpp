@@ -61,6 +61,16 @@ void tree_attention(py::handle q, py::handle k_cache, py::handle v_cache, py::ha
 #endif
 }
 
+void linear(py::handle x, py::handle weight, py::handle bias, py::handle out) {
+  const std::string op = "linear";
+  Borrowed bx = borrow(x, op, "x"), bw = borrow(weight, op, "weight"),
+           bout = borrow(out, op, "out");
+  Borrowed bbias;
+  if (!bias.is_none()) bbias = borrow(bias, op, "bias");
+  py::gil_scoped_release release;
+  linear_cpu(bx.view, bw.view, bias.is_none() ? nullptr : &bbias.view, bout.view);
+}
+
 std::vector<std::string> backends() {
 #ifdef SPECINFER_WITH_CUDA
   return {"cpu", "cuda"};
@@ -86,6 +96,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("scale"), py::arg("stream") = 0,
         "Tree attention into `out` (semantics: specinfer.ops.tree_attention_reference). "
         "`stream` is the cudaStream_t (as int) for CUDA tensors.");
+  m.def("linear", &linear, py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"),
+        "out = x @ weight.T + bias on cpu (bias may be None); float32 or bfloat16.");
   m.def("backends", &backends, "Backends compiled in, e.g. ['cpu', 'cuda'].");
   m.def("cuda_device_count", &device_count, "Visible CUDA devices; 0 without CUDA or a driver.");
 }

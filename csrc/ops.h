@@ -11,6 +11,10 @@ namespace specinfer {
 
 void tree_attention_cpu(const TreeAttentionArgs& args);
 
+// out[M, N] = x[M, K] @ weight[N, K]^T (+ bias[N]); float32 or bfloat16, fp32 accumulation.
+void linear_cpu(const TensorView& x, const TensorView& weight, const TensorView* bias,
+                const TensorView& out);
+
 #ifdef SPECINFER_WITH_CUDA
 // stream: a cudaStream_t as an integer (0 = the legacy default stream).
 void tree_attention_cuda(const TreeAttentionArgs& args, uintptr_t stream);

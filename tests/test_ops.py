@@ -231,3 +231,57 @@ def test_tree_attention_cuda_errors():
         ops.tree_attention(q, k, v, torch.tensor([0, 9], device="cuda"), prefix, mask)
     with pytest.raises(ValueError, match="head_dim 32 is not supported on cuda"):
         ops.tree_attention(q[..., :32], k[..., :32], v[..., :32], rows, prefix, mask)
+
+
+# --- linear ---
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 64])
+@pytest.mark.parametrize("n,k", [(576, 576), (192, 576), (7, 33), (1, 1), (13, 100), (37, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_matches_torch(dtype, rows, n, k, with_bias):
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / math.sqrt(k)).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+    out = torch.empty(rows, n, dtype=dtype)
+    _C.linear(x, w, bias, out)
+    expected = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float())
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), expected, **tol)
+
+
+def test_linear_strided_rows_and_ops_wrapper():
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randn(6, 2, 100, generator=gen).bfloat16()
+    x = base[:, 0]  # rows 200 elements apart
+    w = torch.randn(40, 128, generator=gen).bfloat16()[:, :100]
+    out = torch.empty(6, 40, dtype=torch.bfloat16)
+    _C.linear(x, w, None, out)
+    torch.testing.assert_close(out.float(), x.float() @ w.float().T, atol=2e-2, rtol=2e-2)
+    x3 = torch.randn(2, 3, 100, generator=gen).bfloat16()
+    got = ops.linear(x3, w)
+    assert got.shape == (2, 3, 40)
+    torch.testing.assert_close(got.float(), x3.float() @ w.float().T, atol=2e-2, rtol=2e-2)
+    # Autograd still works: training goes to torch.
+    wg = w.float().requires_grad_()
+    ops.linear(x3.float(), wg).sum().backward()
+    assert wg.grad is not None
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        ((torch.zeros(2, 8), torch.zeros(3, 9), None, torch.zeros(2, 3)), r"weight.shape\[1\] must be 8 \(in_features of x\), got 9"),
+        ((torch.zeros(2, 8), torch.zeros(3, 8), None, torch.zeros(2, 4)), r"out.shape\[1\] must be 3"),
+        ((torch.zeros(2, 8), torch.zeros(3, 8).bfloat16(), None, torch.zeros(2, 3)), r"weight must have the dtype of x \(float32\), got bfloat16"),
+        ((torch.zeros(2, 8), torch.zeros(3, 8), torch.zeros(4), torch.zeros(2, 3)), r"bias.shape\[0\] must be 3"),
+        ((torch.zeros(8), torch.zeros(3, 8), None, torch.zeros(2, 3)), r"x must have 2 dims \[rows, in_features\], got 1"),
+        ((torch.zeros(2, 8).half(), torch.zeros(3, 8).half(), None, torch.zeros(2, 3).half()), r"x must be float32 or bfloat16, got float16"),
+        ((torch.zeros(2, 8), torch.zeros(8, 3).T, None, torch.zeros(2, 3)), r"weight must be contiguous in its last dim"),
+    ],
+)
+def test_linear_errors(args, message):
+    with pytest.raises(ValueError, match=message):
+        _C.linear(*args)

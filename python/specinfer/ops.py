@@ -6,6 +6,7 @@ The references define the semantics; tests compare the kernels against them.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -75,7 +76,40 @@ def tree_attention(
     return out
 
 
+# The compiled CPU linear streams the weight once for all rows: a bandwidth-bound GEMV for decode
+# and small tree blocks (M <= 64). bfloat16 always uses it; float32 only when this flag is set,
+# because a different summation order moves fp32 logits by ~1e-6 and float32 is the dtype greedy
+# outputs are compared with transformers in. SPECINFER_FAST_LINEAR_FP32=1/0 overrides the default.
+FAST_LINEAR_FP32 = os.environ.get("SPECINFER_FAST_LINEAR_FP32", "0") == "1"
+FAST_LINEAR_MAX_ROWS = 64
+
+
+def _use_compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    if _C is None or x.device.type != "cpu" or weight.device.type != "cpu":
+        return False
+    if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
+        return False
+    if not (x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and FAST_LINEAR_FP32)):
+        return False
+    if torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, weight, bias)
+    ):
+        return False
+    if x.dim() == 0 or weight.dim() != 2 or x.shape[-1] == 0:
+        return False
+    return 0 < x.numel() // x.shape[-1] <= FAST_LINEAR_MAX_ROWS
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ weight.T + bias. The single place every model projection goes through, so a
     faster kernel (e.g. a bandwidth-bound bf16 GEMV for decode) can be swapped in here."""
-    return torch.nn.functional.linear(x, weight, bias)
+    if not _use_compiled_linear(x, weight, bias):
+        return torch.nn.functional.linear(x, weight, bias)
+    # Parameters require grad even under no_grad, and __dlpack__ refuses those: detach.
+    x2 = x.detach().reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    w = weight.detach() if weight.stride(-1) == 1 else weight.detach().contiguous()
+    out = torch.empty(x2.shape[0], w.shape[0], dtype=x.dtype)
+    _C.linear(x2, w, None if bias is None else bias.detach(), out)
+    return out.view(*x.shape[:-1], w.shape[0])
