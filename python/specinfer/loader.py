@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import defaultdict
 from collections.abc import Iterator
@@ -94,8 +95,20 @@ def _load_hf_dir(path: Path, dtype, device) -> nn.Module:
     return model
 
 
+@functools.lru_cache(maxsize=2)
+def _open_gguf(path: Path, mtime_ns: int) -> GGUFReader:
+    return GGUFReader(path)
+
+
+def open_gguf(path: str | Path) -> GGUFReader:
+    """A (memory-mapped) reader for a GGUF file; parsing takes seconds, so the model and the
+    tokenizer share one reader."""
+    path = Path(path).resolve()
+    return _open_gguf(path, path.stat().st_mtime_ns)
+
+
 def _load_gguf(path: Path, dtype, device) -> nn.Module:
-    reader = GGUFReader(path)
+    reader = open_gguf(path)
     meta = {
         key: field.contents()
         for key, field in reader.fields.items()

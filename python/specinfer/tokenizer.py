@@ -109,11 +109,11 @@ class TokenizerWrapper:
 
     @classmethod
     def from_gguf(cls, path: Path) -> TokenizerWrapper:
-        import gguf
+        from specinfer.loader import open_gguf
 
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {path}")
-        reader = gguf.GGUFReader(str(path))
+        reader = open_gguf(path)
 
         def field(name, default=None):
             f = reader.fields.get(name)
