@@ -285,3 +285,26 @@ def test_linear_strided_rows_and_ops_wrapper():
 def test_linear_errors(args, message):
     with pytest.raises(ValueError, match=message):
         _C.linear(*args)
+
+
+def test_ops_linear_dispatch(monkeypatch):
+    """bf16 and small fp32 blocks take the kernel; fp32 opts out; other cases stay on torch."""
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(24, 40, generator=gen)
+    calls = []
+    monkeypatch.setattr(ops, "_C", type("Spy", (), {"linear": lambda *a: calls.append(a) or _C.linear(*a)}))
+    for dtype, rows, expect in [
+        (torch.bfloat16, 64, True),
+        (torch.bfloat16, 65, False),
+        (torch.float32, 32, True),
+        (torch.float32, 33, False),
+    ]:
+        calls.clear()
+        x = torch.randn(rows, 40, generator=gen).to(dtype)
+        got = ops.linear(x, w.to(dtype))
+        torch.testing.assert_close(got.float(), x.float() @ w.to(dtype).float().T, atol=3e-2, rtol=2e-2)
+        assert bool(calls) == expect, (dtype, rows)
+    monkeypatch.setattr(ops, "FAST_LINEAR_FP32", False)
+    calls.clear()
+    ops.linear(torch.randn(1, 40), w)
+    assert not calls
