@@ -99,15 +99,28 @@ struct TileF32Avx512 {
   }
 };
 
-// AVX2 tiles step 8 (fp32) or 16 (bf16) columns at a time; the last K % step columns go
-// through zero-padded copies. 16 ymm registers: tiles are at most 2 x 4 or 1 x 8.
+// AVX2 tiles step 16 (fp32) or 32 (bf16) columns at a time; the last K % step columns go through
+// zero-padded copies. 16 ymm registers: tiles are at most 2 x 4. Small tiles split each
+// dot product over kSplits accumulators so the FMA latency chain does not limit a single row.
+template <int MB, int NB>
+constexpr int kSplits = MB* NB >= 4 ? 1 : 4 / (MB * NB);
+
+template <int MB, int NB>
+using Avx2Acc = __m256[MB][NB][kSplits<MB, NB>];
+
 template <int MB, int NB, int kStep, typename T>
 SPECINFER_INLINE void run_steps_with_tail(const T* x, int64_t xs, const T* w, int64_t ws, int64_t K,
                                           void (*step)(const T*, int64_t, const T*, int64_t,
-                                                       __m256 (&)[MB][NB]),
-                                          __m256 (&acc)[MB][NB]) {
+                                                       Avx2Acc<MB, NB>&),
+                                          Avx2Acc<MB, NB>& acc) {
   int64_t k = 0;
-  for (; k + kStep <= K; k += kStep) step(x + k, xs, w + k, ws, acc);
+  for (; k + kStep <= K; k += kStep) {
+    // Prefetch the same columns of the next block's rows: the weight streams ahead of use.
+    for (int j = 0; j < NB; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (j + NB) * ws + k), _MM_HINT_T0);
+    }
+    step(x + k, xs, w + k, ws, acc);
+  }
   if (k == K) return;
   T xt[MB][kStep] = {}, wt[NB][kStep] = {};
   for (int64_t c = 0; c < K - k; ++c) {
@@ -117,61 +130,38 @@ SPECINFER_INLINE void run_steps_with_tail(const T* x, int64_t xs, const T* w, in
   step(&xt[0][0], kStep, &wt[0][0], kStep, acc);
 }
 
+template <typename T, int MB, int NB, int kStep>
+SPECINFER_TARGET(SPECINFER_AVX2)
+void run_avx2_tile(const LinearProblem& p, int64_t m0, int64_t n0,
+                   void (*step)(const T*, int64_t, const T*, int64_t, Avx2Acc<MB, NB>&)) {
+  Avx2Acc<MB, NB> acc;
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j)
+      for (int s = 0; s < kSplits<MB, NB>; ++s) acc[i][j][s] = _mm256_setzero_ps();
+  run_steps_with_tail<MB, NB, kStep>(static_cast<const T*>(p.x) + m0 * p.x_stride, p.x_stride,
+                                     static_cast<const T*>(p.w) + n0 * p.w_stride, p.w_stride, p.K,
+                                     step, acc);
+  for (int i = 0; i < MB; ++i) {
+    for (int j = 0; j < NB; ++j) {
+      __m256 sum = acc[i][j][0];
+      for (int s = 1; s < kSplits<MB, NB>; ++s) sum = _mm256_add_ps(sum, acc[i][j][s]);
+      store_output<T>(p, m0 + i, n0 + j, hsum256(sum));
+    }
+  }
+}
+
 template <int MB, int NB>
 struct TileF32Avx2 {
   SPECINFER_TARGET(SPECINFER_AVX2)
-  static void step(const float* x, int64_t xs, const float* w, int64_t ws, __m256 (&acc)[MB][NB]) {
-    for (int j = 0; j < NB; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (j + NB) * ws), _MM_HINT_T0);
-    }
-    __m256 xv[MB];
-    for (int i = 0; i < MB; ++i) xv[i] = _mm256_loadu_ps(x + i * xs);
-    for (int j = 0; j < NB; ++j) {
-      const __m256 wv = _mm256_loadu_ps(w + j * ws);
-      for (int i = 0; i < MB; ++i) acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
-    }
-  }
-
-  SPECINFER_TARGET(SPECINFER_AVX2)
-  static void run(const LinearProblem& p, int64_t m0, int64_t n0) {
-    __m256 acc[MB][NB];
-    for (int i = 0; i < MB; ++i)
-      for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
-    run_steps_with_tail<MB, NB, 8>(static_cast<const float*>(p.x) + m0 * p.x_stride, p.x_stride,
-                                   static_cast<const float*>(p.w) + n0 * p.w_stride, p.w_stride,
-                                   p.K, step, acc);
-    for (int i = 0; i < MB; ++i)
-      for (int j = 0; j < NB; ++j) store_output<float>(p, m0 + i, n0 + j, hsum256(acc[i][j]));
-  }
-};
-
-// bf16 on AVX2: a 32-bit lane holds two bf16; shifting left by 16 gives the even one as fp32 and
-// masking the low half gives the odd one. A dot product does not care about the order, so x and
-// w are split the same way and both halves accumulate into one register, no unpacking needed.
-template <int MB, int NB>
-struct TileBf16Avx2 {
-  // 32 columns per step: two 32-byte loads per weight row keep more bytes in flight.
-  SPECINFER_TARGET(SPECINFER_AVX2)
-  static void step(const bf16* x, int64_t xs, const bf16* w, int64_t ws, __m256 (&acc)[MB][NB]) {
-    const __m256i high = _mm256_set1_epi32(int(0xffff0000u));
-    // The hardware prefetcher loses track of NB interleaved streams: ask for the next block.
-    for (int j = 0; j < NB; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (j + NB) * ws), _MM_HINT_T0);
-    }
-    for (int half = 0; half < 32; half += 16) {
-      __m256 xe[MB], xo[MB];
-      for (int i = 0; i < MB; ++i) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i * xs + half));
-        xe[i] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-        xo[i] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
-      }
+  static void step(const float* x, int64_t xs, const float* w, int64_t ws, Avx2Acc<MB, NB>& acc) {
+    for (int part = 0; part < 2; ++part) {
+      __m256 xv[MB];
+      for (int i = 0; i < MB; ++i) xv[i] = _mm256_loadu_ps(x + i * xs + 8 * part);
       for (int j = 0; j < NB; ++j) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * ws + half));
-        const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-        const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+        const __m256 wv = _mm256_loadu_ps(w + j * ws + 8 * part);
         for (int i = 0; i < MB; ++i) {
-          acc[i][j] = _mm256_fmadd_ps(xe[i], we, acc[i][j]);
-          acc[i][j] = _mm256_fmadd_ps(xo[i], wo, acc[i][j]);
+          __m256& a = acc[i][j][part % kSplits<MB, NB>];
+          a = _mm256_fmadd_ps(xv[i], wv, a);
         }
       }
     }
@@ -179,14 +169,44 @@ struct TileBf16Avx2 {
 
   SPECINFER_TARGET(SPECINFER_AVX2)
   static void run(const LinearProblem& p, int64_t m0, int64_t n0) {
-    __m256 acc[MB][NB];
-    for (int i = 0; i < MB; ++i)
-      for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
-    run_steps_with_tail<MB, NB, 32>(static_cast<const bf16*>(p.x) + m0 * p.x_stride, p.x_stride,
-                                    static_cast<const bf16*>(p.w) + n0 * p.w_stride, p.w_stride,
-                                    p.K, step, acc);
-    for (int i = 0; i < MB; ++i)
-      for (int j = 0; j < NB; ++j) store_output<bf16>(p, m0 + i, n0 + j, hsum256(acc[i][j]));
+    run_avx2_tile<float, MB, NB, 16>(p, m0, n0, step);
+  }
+};
+
+// bf16 on AVX2: a 32-bit lane holds two bf16; shifting left by 16 gives the even one as fp32 and
+// masking the low half gives the odd one. A dot product does not care about the order, so x and
+// w are split the same way and no unpacking is needed.
+template <int MB, int NB>
+struct TileBf16Avx2 {
+  SPECINFER_TARGET(SPECINFER_AVX2)
+  static void step(const bf16* x, int64_t xs, const bf16* w, int64_t ws, Avx2Acc<MB, NB>& acc) {
+    const __m256i high = _mm256_set1_epi32(int(0xffff0000u));
+    for (int part = 0; part < 2; ++part) {
+      __m256 xe[MB], xo[MB];
+      for (int i = 0; i < MB; ++i) {
+        const __m256i v =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i * xs + 16 * part));
+        xe[i] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        xo[i] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+      }
+      for (int j = 0; j < NB; ++j) {
+        const __m256i v =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * ws + 16 * part));
+        const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+        for (int i = 0; i < MB; ++i) {
+          __m256& even = acc[i][j][(2 * part) % kSplits<MB, NB>];
+          even = _mm256_fmadd_ps(xe[i], we, even);
+          __m256& odd = acc[i][j][(2 * part + 1) % kSplits<MB, NB>];
+          odd = _mm256_fmadd_ps(xo[i], wo, odd);
+        }
+      }
+    }
+  }
+
+  SPECINFER_TARGET(SPECINFER_AVX2)
+  static void run(const LinearProblem& p, int64_t m0, int64_t n0) {
+    run_avx2_tile<bf16, MB, NB, 32>(p, m0, n0, step);
   }
 };
 
@@ -232,8 +252,9 @@ LinearKernel select_kernel(DType dtype) {
 }
 
 void run(const LinearProblem& p, LinearKernel kernel, int64_t elem_size) {
-  // One row: wide blocks keep more weight streams in flight; more rows: more x reuse per load.
-  const int nb = p.M == 1 ? 8 : 4;
+  // Several rows share each loaded block of 4 weight rows; a single row takes 16 weight rows per
+  // call, one after another.
+  const int nb = p.M == 1 ? 16 : 4;
   const int64_t blocks = (p.N + nb - 1) / nb;
   // Forking threads is not worth it for a weight that streams in a few microseconds.
   const bool parallel = p.N * p.K * elem_size >= (int64_t(1) << 17);

@@ -44,28 +44,29 @@ SPECINFER_INLINE void linear_tile_portable(const LinearProblem& p, int64_t m0, i
   }
 }
 
-// Calls tile<MB, NB> for runtime mb in 1..4 and nb in {1, 4, 8}.
+// Calls Tile<MB, NB>::run for runtime mb in 1..4 and nb in {1, 4} (or any nb when mb == 1).
+// A single x row walks the weight rows one after another: one sequential stream, which the
+// hardware prefetches best, instead of nb interleaved ones.
 template <template <int, int> class Tile>
 SPECINFER_INLINE void dispatch_tile(const LinearProblem& p, int64_t m0, int64_t n0, int mb,
                                     int nb) {
-  const int key = mb * 10 + nb;
-  switch (key) {
-#define SPECINFER_TILE_CASE(MB, NB) \
-  case MB * 10 + NB:                \
-    return Tile<MB, NB>::run(p, m0, n0);
-    SPECINFER_TILE_CASE(1, 1)
-    SPECINFER_TILE_CASE(2, 1)
-    SPECINFER_TILE_CASE(3, 1)
-    SPECINFER_TILE_CASE(4, 1)
-    SPECINFER_TILE_CASE(1, 4)
-    SPECINFER_TILE_CASE(2, 4)
-    SPECINFER_TILE_CASE(3, 4)
-    SPECINFER_TILE_CASE(4, 4)
-    SPECINFER_TILE_CASE(1, 8)
-    SPECINFER_TILE_CASE(2, 8)
-    SPECINFER_TILE_CASE(3, 8)
-    SPECINFER_TILE_CASE(4, 8)
-#undef SPECINFER_TILE_CASE
+  if (mb == 1) {
+    for (int j = 0; j < nb; ++j) Tile<1, 1>::run(p, m0, n0 + j);
+    return;
+  }
+  switch (mb * 10 + (nb == 1 ? 1 : 4)) {
+    case 21:
+      return Tile<2, 1>::run(p, m0, n0);
+    case 31:
+      return Tile<3, 1>::run(p, m0, n0);
+    case 41:
+      return Tile<4, 1>::run(p, m0, n0);
+    case 24:
+      return Tile<2, 4>::run(p, m0, n0);
+    case 34:
+      return Tile<3, 4>::run(p, m0, n0);
+    case 44:
+      return Tile<4, 4>::run(p, m0, n0);
   }
 }
 
