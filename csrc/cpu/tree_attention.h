@@ -44,6 +44,46 @@ SPECINFER_INLINE float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// Four dot products of q with consecutive rows of k: four independent accumulator chains instead
+// of one, so the FMA latency is hidden.
+SPECINFER_INLINE void dot4(const float* q, const float* k, int64_t n, float* out) {
+  float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+  for (int64_t i = 0; i < n; ++i) {
+    s0 += q[i] * k[i];
+    s1 += q[i] * k[n + i];
+    s2 += q[i] * k[2 * n + i];
+    s3 += q[i] * k[3 * n + i];
+  }
+  out[0] = s0;
+  out[1] = s1;
+  out[2] = s2;
+  out[3] = s3;
+}
+
+// acc[0:D] += sum_j p[j] * v[j, 0:D]. With D known at compile time the accumulator is a local
+// array the compiler keeps in registers across the whole tile.
+template <int kD>
+SPECINFER_INLINE void accumulate_values(float* acc, const float* p, const float* v, int64_t kn,
+                                        int64_t D) {
+  if constexpr (kD > 0) {
+    float a[kD];
+    for (int d = 0; d < kD; ++d) a[d] = acc[d];
+    for (int64_t j = 0; j < kn; ++j) {
+      const float pj = p[j];
+#pragma omp simd
+      for (int d = 0; d < kD; ++d) a[d] += pj * v[j * kD + d];
+    }
+    for (int d = 0; d < kD; ++d) acc[d] = a[d];
+  } else {
+    for (int64_t j = 0; j < kn; ++j) {
+      const float pj = p[j];
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) acc[d] += pj * v[j * D + d];
+    }
+  }
+}
+
 template <typename T>
 SPECINFER_INLINE void load_scaled(const T* src, float* dst, int64_t n, float scale) {
 #pragma omp simd
@@ -98,7 +138,9 @@ SPECINFER_INLINE void attend_block(const TreeAttentionProblem<T>& p, int64_t b, 
       load_scaled(vbase + (k0 + j) * p.v_stride[2], vt + j * D, D, 1.0f);
     }
     for (int64_t r = 0; r < R; ++r) {
-      for (int64_t j = 0; j < kn; ++j) s[r * kKeyTile + j] = dot(q + r * D, kt + j * D, D);
+      int64_t j = 0;
+      for (; j + 4 <= kn; j += 4) dot4(q + r * D, kt + j * D, D, s + r * kKeyTile + j);
+      for (; j < kn; ++j) s[r * kKeyTile + j] = dot(q + r * D, kt + j * D, D);
     }
     if (k0 + kn > n) {  // the tile reaches the new tokens: apply the tree mask
       for (int64_t r = 0; r < R; ++r) {
@@ -129,12 +171,7 @@ SPECINFER_INLINE void attend_block(const TreeAttentionProblem<T>& p, int64_t b, 
         m[r] = m_new;
       }
       l[r] += sum;
-      for (int64_t j = 0; j < kn; ++j) {
-        const float pj = sr[j];
-        const float* vj = vt + j * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) ar[d] += pj * vj[d];
-      }
+      accumulate_values<kD>(ar, sr, vt, kn, D);
     }
   }
 
