@@ -16,12 +16,23 @@ std::vector<int64_t> indices_to_host(const TensorView& v, cudaStream_t stream) {
   const int64_t n = v.shape[0];
   const size_t elem = v.dtype == DType::kInt64 ? 8 : 4;
   std::vector<unsigned char> raw(n * elem);
-  if (n > 0) {
-    check(cudaMemcpy2DAsync(raw.data(), elem, v.data, v.strides[0] * elem, elem, n,
-                            cudaMemcpyDeviceToHost, stream),
+  const auto* src = static_cast<const unsigned char*>(v.data);
+  const int64_t stride = v.strides[0];
+  if (n == 1 || stride == 1) {
+    check(cudaMemcpyAsync(raw.data(), src, n * elem, cudaMemcpyDeviceToHost, stream), kOp,
+          "copying indices to the host");
+  } else if (stride > 1) {
+    check(cudaMemcpy2DAsync(raw.data(), elem, src, stride * elem, elem, n, cudaMemcpyDeviceToHost,
+                            stream),
           kOp, "copying indices to the host");
-    check(cudaStreamSynchronize(stream), kOp, "cudaStreamSynchronize");
+  } else {  // broadcast (stride 0) or reversed views: element by element
+    for (int64_t i = 0; i < n; ++i) {
+      check(cudaMemcpyAsync(raw.data() + i * elem, src + i * stride * int64_t(elem), elem,
+                            cudaMemcpyDeviceToHost, stream),
+            kOp, "copying indices to the host");
+    }
   }
+  if (n > 0) check(cudaStreamSynchronize(stream), kOp, "cudaStreamSynchronize");
   std::vector<int64_t> out(n);
   for (int64_t i = 0; i < n; ++i) {
     out[i] = elem == 8 ? reinterpret_cast<const int64_t*>(raw.data())[i]
@@ -64,8 +75,12 @@ void tree_attention_cuda(const TreeAttentionArgs& a, uintptr_t stream_handle) {
   if (a.head_dim() != 64 && a.head_dim() != 128) {
     fail(kOp, "head_dim " + std::to_string(a.head_dim()) + " is not supported on cuda (64 or 128)");
   }
-  if (a.batch() * a.tokens() > (int64_t(1) << 31) / 32 || a.tokens() * a.q_heads() > (1 << 30)) {
-    fail(kOp, "batch * tokens " + std::to_string(a.batch() * a.tokens()) + " is too large");
+  // Grid limits: x = batch * kv_heads, y = query-row blocks (at most 65535).
+  if (a.batch() * a.kv_heads() >= (int64_t(1) << 31) ||
+      a.tokens() * a.group() > int64_t(65535) * kRowsPerBlock ||
+      a.batch() * a.tokens() >= (int64_t(1) << 31) / 4) {
+    fail(kOp, "batch " + std::to_string(a.batch()) + " x tokens " + std::to_string(a.tokens()) +
+                  " is too large for one launch");
   }
   DeviceGuard guard(a.q.device_id, kOp);
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
