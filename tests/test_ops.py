@@ -288,7 +288,8 @@ def test_linear_errors(args, message):
 
 
 def test_ops_linear_dispatch(monkeypatch):
-    """bf16 and small fp32 blocks take the kernel; fp32 opts out; other cases stay on torch."""
+    """bf16 and (when opted in) small fp32 blocks take the kernel; other cases stay on torch."""
+    monkeypatch.setattr(ops, "FAST_LINEAR_FP32", True)
     gen = torch.Generator().manual_seed(7)
     w = torch.randn(24, 40, generator=gen)
     calls = []
