@@ -236,7 +236,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if isinstance(dtype, torch.dtype):
         chosen = dtype
     elif dtype == "auto":
-        chosen = torch.bfloat16 if device.type == "cuda" or _cpu_has_bf16() else torch.float32
+        chosen = torch.bfloat16
     else:
         names = {
             "float32": torch.float32,
@@ -256,14 +256,6 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if chosen == torch.float16 and device.type == "cpu":
         raise ValueError("float16 is not supported on the CPU; use bfloat16 or float32")
     return chosen
-
-
-def _cpu_has_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def _is_token_ids(x) -> bool:
