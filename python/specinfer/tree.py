@@ -1,0 +1,120 @@
+"""Token trees: what the speculator proposes and the target verifies in one forward pass.
+
+Node 0 is the root: the newest token of the request, whose K/V the verification step computes.
+Nodes are numbered so parents come before children (level by level as they are built), which is
+what the depth-first KV commit relies on. Each node's token sequence is the path from the root.
+
+A node's children come from *proposals*: one per draw. A sampled child records the row of the
+distribution it was drawn from (`q_rows`); a deterministic top-k child is a point mass (-1). Two
+draws of the same token are one node but two proposals: the verifier must see both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """Expansion config <k1, ..., km>: every node at depth i gets the top-k_{i+1} (or k_{i+1}
+    sampled) children. `sample_children` applies to stochastic decoding only: draw children
+    i.i.d. from the SSM (the paper's stochastic setting) instead of taking its top-k."""
+
+    widths: tuple[int, ...] = (1, 1, 3, 1, 1, 1, 1, 1)
+    max_nodes: int = 64
+    sample_children: bool = False
+
+    def __post_init__(self):
+        widths = tuple(self.widths)
+        object.__setattr__(self, "widths", widths)
+        if not widths:
+            raise ValueError("tree widths must not be empty (e.g. (1, 1, 3, 1))")
+        if any(not isinstance(k, int) or k < 1 for k in widths):
+            raise ValueError(f"tree widths must be positive integers, got {widths}")
+        if self.num_nodes > self.max_nodes:
+            raise ValueError(
+                f"tree {widths} has {self.num_nodes} nodes, more than max_nodes={self.max_nodes}; "
+                "use fewer/narrower levels or raise max_nodes (verification cost grows with it)"
+            )
+
+    @property
+    def depth(self) -> int:
+        return len(self.widths)
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes of the full tree, root included (sampled trees can be smaller: duplicates merge)."""
+        total, level = 1, 1
+        for k in self.widths:
+            level *= k
+            total += level
+        return total
+
+    @classmethod
+    def parse(cls, text: str, **kwargs) -> TreeConfig:
+        """'1,1,3,1' -> TreeConfig(widths=(1, 1, 3, 1))."""
+        try:
+            widths = tuple(int(x) for x in text.replace(" ", "").split(","))
+        except ValueError:
+            raise ValueError(
+                f"tree config must be comma-separated integers like 1,1,3,1, got {text!r}"
+            ) from None
+        return cls(widths=widths, **kwargs)
+
+
+class TokenTree:
+    def __init__(self, root_token: int):
+        self.tokens = [root_token]
+        self.parents = [-1]
+        self.depths = [0]
+        self.children: list[dict[int, int]] = [{}]  # token -> node
+        self.prop_parent: list[int] = []
+        self.prop_child: list[int] = []
+        self.prop_q: list[int] = []
+        self.q_rows: list[torch.Tensor] = []  # distributions sampled children were drawn from
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def propose(self, parent: int, token: int, q_row: int = -1) -> int:
+        """Record one proposal of `token` under `parent`; returns the (possibly existing) node."""
+        node = self.children[parent].get(token)
+        if node is None:
+            node = len(self.tokens)
+            self.tokens.append(token)
+            self.parents.append(parent)
+            self.depths.append(self.depths[parent] + 1)
+            self.children.append({})
+            self.children[parent][token] = node
+        self.prop_parent.append(parent)
+        self.prop_child.append(node)
+        self.prop_q.append(q_row)
+        return node
+
+    def add_distribution(self, q: torch.Tensor) -> int:
+        self.q_rows.append(q)
+        return len(self.q_rows) - 1
+
+    def nodes_at(self, depth: int) -> list[int]:
+        return [i for i, d in enumerate(self.depths) if d == depth]
+
+    def ancestor_mask(
+        self, nodes: list[int] | None = None, columns: list[int] | None = None
+    ) -> torch.Tensor:
+        """mask[i, j] = columns[j] is an ancestor of nodes[i] or the node itself (default: all)."""
+        nodes = list(range(len(self))) if nodes is None else nodes
+        columns = list(range(len(self))) if columns is None else columns
+        col_index = {c: j for j, c in enumerate(columns)}
+        mask = torch.zeros(len(nodes), len(columns), dtype=torch.bool)
+        for i, node in enumerate(nodes):
+            while node >= 0:
+                j = col_index.get(node)
+                if j is not None:
+                    mask[i, j] = True
+                node = self.parents[node]
+        return mask
+
+    def path_tokens(self, path: list[int]) -> list[int]:
+        return [self.tokens[n] for n in path]
