@@ -16,12 +16,14 @@ struct TreeAttentionArgs {
   TensorView v_cache;      // [N, Hkv, S, D]
   TensorView cache_rows;   // [B] int32/int64
   TensorView prefix_lens;  // [B] int32/int64
-  TensorView tree_mask;    // [B, T, T] bool/uint8
+  TensorView tree_mask;    // [B, T, M] bool/uint8, M >= T
   TensorView out;          // [B, T, Hq, D]
   float scale = 1.0f;
 
   int64_t batch() const { return q.shape[0]; }
   int64_t tokens() const { return q.shape[1]; }
+  // The mask covers the last mask_cols() cache slots ending at prefix_lens[b] + tokens().
+  int64_t mask_cols() const { return tree_mask.shape[2]; }
   int64_t q_heads() const { return q.shape[2]; }
   int64_t head_dim() const { return q.shape[3]; }
   int64_t cache_rows_count() const { return k_cache.shape[0]; }
@@ -38,7 +40,7 @@ inline void check_tree_attention_args(const TreeAttentionArgs& a) {
   check_ndim(a.v_cache, 4, op, "v_cache", "[rows, kv_heads, seq, head_dim]");
   check_ndim(a.cache_rows, 1, op, "cache_rows", "[batch]");
   check_ndim(a.prefix_lens, 1, op, "prefix_lens", "[batch]");
-  check_ndim(a.tree_mask, 3, op, "tree_mask", "[batch, tokens, tokens]");
+  check_ndim(a.tree_mask, 3, op, "tree_mask", "[batch, tokens, mask_cols]");
   check_ndim(a.out, 4, op, "out", "[batch, tokens, q_heads, head_dim]");
 
   const TensorView* all[] = {&a.k_cache,     &a.v_cache,   &a.cache_rows,
@@ -76,19 +78,23 @@ inline void check_tree_attention_args(const TreeAttentionArgs& a) {
   check_size(a.prefix_lens, 0, B, op, "prefix_lens", "batch of q");
   check_size(a.tree_mask, 0, B, op, "tree_mask", "batch of q");
   check_size(a.tree_mask, 1, T, op, "tree_mask", "tokens of q");
-  check_size(a.tree_mask, 2, T, op, "tree_mask", "tokens of q");
+  if (a.mask_cols() < T) {
+    fail(op, "tree_mask.shape[2] must be >= " + std::to_string(T) + " (tokens of q), got " +
+                 std::to_string(a.mask_cols()));
+  }
   check_last_dim_contiguous(a.q, op, "q");
   check_last_dim_contiguous(a.k_cache, op, "k_cache");
   check_last_dim_contiguous(a.v_cache, op, "v_cache");
   check_last_dim_contiguous(a.out, op, "out");
 }
 
-// Cache rows and prefix lengths (host copies) must address stored positions.
+// Cache rows and prefix lengths (host copies) must address stored positions, and the mask must
+// not reach before the start of the cache.
 inline void check_tree_attention_indices(const TreeAttentionArgs& a,
                                          const std::vector<int64_t>& rows,
                                          const std::vector<int64_t>& prefix) {
   const std::string op = "tree_attention";
-  const int64_t T = a.tokens(), S = a.seq_len(), N = a.cache_rows_count();
+  const int64_t T = a.tokens(), M = a.mask_cols(), S = a.seq_len(), N = a.cache_rows_count();
   for (size_t b = 0; b < rows.size(); ++b) {
     const std::string at = "[" + std::to_string(b) + "]";
     if (rows[b] < 0 || rows[b] >= N) {
@@ -99,6 +105,11 @@ inline void check_tree_attention_indices(const TreeAttentionArgs& a,
       fail(op, "prefix_lens" + at + " + tokens = " + std::to_string(prefix[b]) + " + " +
                    std::to_string(T) + " must be in [0, " + std::to_string(S) +
                    "] (the cache's seq length)");
+    }
+    if (prefix[b] + T - M < 0) {
+      fail(op, "prefix_lens" + at + " + tokens - mask_cols = " + std::to_string(prefix[b]) + " + " +
+                   std::to_string(T) + " - " + std::to_string(M) +
+                   " must be >= 0 (the mask would cover slots before the cache start)");
     }
   }
 }

@@ -67,6 +67,7 @@ void run(const TreeAttentionArgs& a, const std::vector<int64_t>& rows,
   p.cache_rows = rows.data();
   p.prefix_lens = prefix.data();
   p.tokens = a.tokens();
+  p.mask_cols = a.mask_cols();
   p.group = a.group();
   p.head_dim = a.head_dim();
   p.scale = a.scale;

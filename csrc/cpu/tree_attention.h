@@ -20,13 +20,13 @@ struct TreeAttentionProblem {
   const T* v;
   int64_t k_stride[3];
   int64_t v_stride[3];
-  const uint8_t* mask;  // [B, T, T], nonzero = visible
+  const uint8_t* mask;  // [B, T, M], nonzero = visible
   int64_t mask_stride[3];
   T* out;  // [B, T, Hq, D]
   int64_t out_stride[3];
   const int64_t* cache_rows;   // [B]
   const int64_t* prefix_lens;  // [B]
-  int64_t tokens, group, head_dim;
+  int64_t tokens, mask_cols, group, head_dim;
   float scale;
 };
 
@@ -114,12 +114,13 @@ SPECINFER_INLINE void attend_block(const TreeAttentionProblem<T>& p, int64_t b, 
     l[r] = 0.0f;
   }
 
-  // Keys past the last new token any row of this block sees are skipped (halves causal prefill).
-  const int64_t n = p.prefix_lens[b];
+  // Slots before n are visible to every row; slot n + j is visible iff mask column j is set.
+  // Keys past the last masked slot any row of this block sees are skipped (halves causal prefill).
+  const int64_t n = p.prefix_lens[b] + p.tokens - p.mask_cols;
   const uint8_t* mask = p.mask + b * p.mask_stride[0];
   int64_t last_new = -1;
   for (int64_t t = t0; t < t1; ++t) {
-    for (int64_t j = p.tokens - 1; j > last_new; --j) {
+    for (int64_t j = p.mask_cols - 1; j > last_new; --j) {
       if (mask[t * p.mask_stride[1] + j * p.mask_stride[2]]) {
         last_new = j;
         break;
@@ -142,7 +143,7 @@ SPECINFER_INLINE void attend_block(const TreeAttentionProblem<T>& p, int64_t b, 
       for (; j + 4 <= kn; j += 4) dot4(q + r * D, kt + j * D, D, s + r * kKeyTile + j);
       for (; j < kn; ++j) s[r * kKeyTile + j] = dot(q + r * D, kt + j * D, D);
     }
-    if (k0 + kn > n) {  // the tile reaches the new tokens: apply the tree mask
+    if (k0 + kn > n) {  // the tile reaches the masked slots: apply the tree mask
       for (int64_t r = 0; r < R; ++r) {
         const uint8_t* mrow = mask + (t0 + r / G) * p.mask_stride[1];
         for (int64_t j = std::max<int64_t>(0, n - k0); j < kn; ++j) {

@@ -107,7 +107,8 @@ void tree_attention_cuda(const TreeAttentionArgs& a, uintptr_t stream_handle) {
   p.prefix_lens_stride = a.prefix_lens.strides[0];
   p.prefix_lens_64 = a.prefix_lens.dtype == DType::kInt64;
   p.tokens = T;
-  p.words = (T + 31) / 32;
+  p.mask_cols = int(a.mask_cols());
+  p.words = (p.mask_cols + 31) / 32;
   p.group = int(a.group());
   p.kv_heads = int(a.kv_heads());
   p.scale_log2 = a.scale * 1.4426950408889634f;
@@ -122,7 +123,7 @@ void tree_attention_cuda(const TreeAttentionArgs& a, uintptr_t stream_handle) {
   const int pack_threads = 128;
   const int pack_blocks = int((int64_t(B) * T + pack_threads - 1) / pack_threads);
   pack_tree_mask<<<pack_blocks, pack_threads, 0, stream>>>(
-      m.ptr<const uint8_t>(), m.strides[0], m.strides[1], m.strides[2], B, T, p.words,
+      m.ptr<const uint8_t>(), m.strides[0], m.strides[1], m.strides[2], B, T, p.mask_cols, p.words,
       const_cast<uint32_t*>(p.mask_bits), const_cast<int32_t*>(p.last_visible));
   check(cudaGetLastError(), kOp, "mask packing launch");
 

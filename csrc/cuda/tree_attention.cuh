@@ -35,8 +35,8 @@ struct TreeAttentionParams {
   int64_t prefix_lens_stride;
   bool prefix_lens_64;
   const uint32_t* mask_bits;    // [B, T, words]: bit j of token i = tree_mask[b, i, j]
-  const int32_t* last_visible;  // [B, T]: last new token j token i sees, -1 if none
-  int tokens, words, group, kv_heads;
+  const int32_t* last_visible;  // [B, T]: last mask column j token i sees, -1 if none
+  int tokens, mask_cols, words, group, kv_heads;
   float scale_log2;  // softmax scale * log2(e): scores are kept in base 2 for exp2f
 };
 
@@ -73,17 +73,18 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-// Packs the [B, T, T] byte mask (any strides) into bits and records each row's last visible
-// token, which bounds how far a block must read. One thread per (request, token) row.
+// Packs the [B, T, M] byte mask (any strides) into bits and records each row's last visible
+// column, which bounds how far a block must read. One thread per (request, token) row.
 __global__ void pack_tree_mask(const uint8_t* mask, int64_t s0, int64_t s1, int64_t s2, int batch,
-                               int tokens, int words, uint32_t* bits, int32_t* last_visible) {
+                               int tokens, int cols, int words, uint32_t* bits,
+                               int32_t* last_visible) {
   const int64_t row = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (row >= int64_t(batch) * tokens) return;
   const uint8_t* src = mask + (row / tokens) * s0 + (row % tokens) * s1;
   int32_t last = -1;
   for (int w = 0; w < words; ++w) {
     uint32_t word = 0;
-    for (int j = w * 32; j < min(tokens, w * 32 + 32); ++j) {
+    for (int j = w * 32; j < min(cols, w * 32 + 32); ++j) {
       if (src[j * s2]) {
         word |= 1u << (j - w * 32);
         last = j;
@@ -124,7 +125,9 @@ __global__ void __launch_bounds__(kWarps * 32) tree_attention_kernel(const TreeA
   }
   __syncthreads();
 
-  const int64_t n = load_index(p.prefix_lens, b * p.prefix_lens_stride, p.prefix_lens_64);
+  // Slots before n are visible to every row; slot n + j is visible iff mask column j is set.
+  const int64_t n = load_index(p.prefix_lens, b * p.prefix_lens_stride, p.prefix_lens_64) +
+                    p.tokens - p.mask_cols;
   const int64_t cache_row = load_index(p.cache_rows, b * p.cache_rows_stride, p.cache_rows_64);
   const int64_t key_end = n + block_last_visible + 1;
   const T* kbase = static_cast<const T*>(p.k) + cache_row * p.k_stride[0] + h * p.k_stride[1];

@@ -32,12 +32,16 @@ def tree_attention_reference(
     cache_rows:  [B] integer, the cache row of request b
     prefix_lens: [B] integer, committed tokens of request b; the T new tokens' K/V are
                  already stored at positions prefix_lens[b] .. prefix_lens[b] + T - 1
-    tree_mask:   [B, T, T] bool, tree_mask[b, i, j]: new token i may attend to new token j
-    Query i of request b sees every committed position and the new tokens its mask allows.
+    tree_mask:   [B, T, M] bool, M >= T: covers the M cache slots s0 .. prefix_lens[b] + T - 1,
+                 s0 = prefix_lens[b] + T - M; tree_mask[b, i, j]: new token i may attend to slot
+                 s0 + j. With M == T the mask covers exactly the new tokens; M > T lets a new level
+                 of a token tree see its ancestors among nodes already in the cache (an SSM
+                 decoding the tree level by level).
+    Query i of request b sees every slot before s0 and the masked slots its mask allows.
     A query that sees nothing (a padding row) gets zeros.
     """
     B, T, Hq, D = q.shape
-    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    Hkv, S, M = k_cache.shape[1], k_cache.shape[2], tree_mask.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     out = torch.zeros_like(q)
     for b in range(B):
@@ -45,7 +49,8 @@ def tree_attention_reference(
         k = k_cache[row, :, : n + T].float().repeat_interleave(Hq // Hkv, dim=0)  # [Hq, L, D]
         v = v_cache[row, :, : n + T].float().repeat_interleave(Hq // Hkv, dim=0)
         visible = torch.cat(
-            [torch.ones(T, n, dtype=torch.bool, device=q.device), tree_mask[b].bool()], dim=1
+            [torch.ones(T, n + T - M, dtype=torch.bool, device=q.device), tree_mask[b].bool()],
+            dim=1,
         )  # [T, L]
         scores = torch.einsum("thd,hld->htl", q[b].float(), k) * scale
         scores = scores.masked_fill(~visible, float("-inf"))
@@ -66,7 +71,9 @@ def tree_attention(
 ) -> torch.Tensor:
     """The compiled kernel when available, else the reference (same semantics)."""
     if _C is None:
-        return tree_attention_reference(q, k_cache, v_cache, cache_rows, prefix_lens, tree_mask, scale)
+        return tree_attention_reference(
+            q, k_cache, v_cache, cache_rows, prefix_lens, tree_mask, scale
+        )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     out = torch.empty_like(q)
     # __dlpack__ refuses tensors that require grad; the kernel is inference-only anyway.
