@@ -87,6 +87,36 @@ int device_count() {
 #endif
 }
 
+void kv_commit(const py::sequence& caches, py::handle cache_rows, py::handle prefix_lens,
+               py::handle accepted, uintptr_t stream) {
+  const std::string op = "kv_commit";
+  std::vector<Borrowed> borrowed;
+  KvCommitArgs args;
+  for (size_t i = 0; i < caches.size(); ++i) {
+    borrowed.push_back(borrow(caches[i], op, list_item("caches", i).c_str()));
+    args.caches.push_back(borrowed.back().view);
+  }
+  Borrowed brows = borrow(cache_rows, op, "cache_rows"),
+           bprefix = borrow(prefix_lens, op, "prefix_lens"),
+           baccepted = borrow(accepted, op, "accepted");
+  args.cache_rows = brows.view;
+  args.prefix_lens = bprefix.view;
+  args.accepted = baccepted.view;
+  check_kv_commit_args(args);
+  const std::vector<KvMove> moves = plan_kv_commit(args);
+  py::gil_scoped_release release;
+  if (args.caches[0].device == Device::kCPU) {
+    kv_commit_cpu(args.caches, moves);
+    return;
+  }
+#ifdef SPECINFER_WITH_CUDA
+  kv_commit_cuda(args.caches, moves, stream);
+#else
+  (void)stream;
+  fail(op, "caches are cuda tensors but specinfer._C was built without CUDA");
+#endif
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -100,4 +130,8 @@ PYBIND11_MODULE(_C, m) {
         "out = x @ weight.T + bias on cpu (bias may be None); float32 or bfloat16.");
   m.def("backends", &backends, "Backends compiled in, e.g. ['cpu', 'cuda'].");
   m.def("cuda_device_count", &device_count, "Visible CUDA devices; 0 without CUDA or a driver.");
+  m.def("kv_commit", &kv_commit, py::arg("caches"), py::arg("cache_rows"), py::arg("prefix_lens"),
+        py::arg("accepted"), py::arg("stream") = 0,
+        "Moves each request's accepted tree nodes' K/V to consecutive slots in every cache "
+        "(semantics: specinfer.ops.kv_commit_reference). Index tensors must be on cpu.");
 }

@@ -22,3 +22,17 @@ int cuda_device_count();
 #endif
 
 }  // namespace specinfer
+
+// --- kv_commit (see kv_commit_reference in python/specinfer/ops.py) ---
+#include "core/kv_commit_args.h"
+
+namespace specinfer {
+
+// Applies the moves (from plan_kv_commit) to every cache, in order.
+void kv_commit_cpu(const std::vector<TensorView>& caches, const std::vector<KvMove>& moves);
+#ifdef SPECINFER_WITH_CUDA
+void kv_commit_cuda(const std::vector<TensorView>& caches, const std::vector<KvMove>& moves,
+                    uintptr_t stream);
+#endif
+
+}  // namespace specinfer

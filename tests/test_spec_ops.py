@@ -127,3 +127,152 @@ def test_tree_attention_wide_mask_cuda(dtype, nodes, new):
     expected = ops.tree_attention_reference(*level)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got.float(), expected.float(), **tol)
+
+
+# --- kv_commit ---
+
+
+def root_path(parents: list[int], node: int) -> list[int]:
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    trees=st.lists(st.tuples(st.integers(1, 12), st.integers(0, 20)), min_size=1, max_size=3),
+    layers=st.integers(1, 3),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    index_dtype=st.sampled_from([torch.int32, torch.int64]),
+    seq_major=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_kv_commit_moves_accepted_path(trees, layers, dtype, index_dtype, seq_major, seed):
+    """After the commit, slots prefix .. prefix + len(path) - 1 hold the K/V that were at the
+    path's slots; everything before the prefix and every other row is untouched."""
+    gen = torch.Generator().manual_seed(seed)
+    B, rows, heads, D = len(trees), len(trees) + 2, 3, 8
+    seq = max(n + p for n, p in trees) + 2
+    shape = (rows, heads, seq, D)
+    caches = [
+        torch.randn(rows, seq, heads, D, generator=gen).to(dtype).transpose(1, 2)
+        if seq_major
+        else torch.randn(*shape, generator=gen).to(dtype)
+        for _ in range(2 * layers)
+    ]
+    cache_rows = torch.randperm(rows, generator=gen)[:B]
+    paths = []
+    for nodes, _ in trees:
+        parents = random_parents(gen, nodes)
+        paths.append(root_path(parents, int(torch.randint(nodes, (1,), generator=gen))))
+    width = max(len(p) for p in paths) + int(torch.randint(3, (1,), generator=gen))
+    accepted = torch.full((B, width), -1, dtype=index_dtype)
+    for b, path in enumerate(paths):
+        accepted[b, : len(path)] = torch.tensor(path)
+    prefix_lens = torch.tensor([p for _, p in trees], dtype=index_dtype)
+
+    before = [c.clone() for c in caches]
+    expected = [c.clone() for c in caches]
+    ops.kv_commit_reference(expected, cache_rows, prefix_lens, accepted)
+    ops.kv_commit(caches, cache_rows, prefix_lens, accepted)
+    for c, e, old in zip(caches, expected, before):
+        assert torch.equal(c, e)
+        untouched = torch.ones(rows, dtype=torch.bool)
+        for b, path in enumerate(paths):
+            row, n = int(cache_rows[b]), int(prefix_lens[b])
+            untouched[row] = False
+            assert torch.equal(c[row, :, :n], old[row, :, :n])
+            assert torch.equal(c[row, :, n : n + len(path)], old[row, :, [n + i for i in path]])
+        assert torch.equal(c[untouched], old[untouched])
+
+
+def _commit_args():
+    caches = [torch.zeros(3, 2, 10, 4) for _ in range(4)]
+    return caches, torch.tensor([2, 0]), torch.tensor([3, 5]), torch.tensor([[0, 2, 4], [0, 1, -1]])
+
+
+def _set(i, value):
+    def change(args):
+        args[i] = value
+
+    return change
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (_set(0, []), r"caches is empty"),
+        (
+            _set(0, [torch.zeros(3, 2, 10, 4), torch.zeros(3, 2, 9, 4)]),
+            r"caches\[1\] must have the shape of caches\[0\] \[3, 2, 10, 4\], got \[3, 2, 9, 4\]",
+        ),
+        (
+            _set(0, [torch.zeros(3, 2, 10, 4), torch.zeros(3, 2, 10, 4).half()]),
+            r"caches\[1\] must have the dtype of caches\[0\] \(float32\), got float16",
+        ),
+        (
+            _set(0, [torch.zeros(3, 2, 10, 4).double()]),
+            r"caches must be float32, bfloat16 or float16, got an unsupported dtype",
+        ),
+        (_set(0, [torch.zeros(3, 2, 10)]), r"caches\[0\] must have 4 dims"),
+        (
+            _set(0, [torch.zeros(3, 2, 4, 10).transpose(2, 3)]),
+            r"caches\[0\] must be contiguous in its last dim",
+        ),
+        (_set(1, torch.tensor([2, 3])), r"cache_rows\[1\] = 3 is out of range \[0, 3\)"),
+        (_set(1, torch.tensor([1, 1])), r"cache_rows holds row 1 twice"),
+        (_set(1, torch.tensor([1.0, 2.0])), r"cache_rows must be int32 or int64, got float32"),
+        (_set(2, torch.tensor([3])), r"prefix_lens.shape\[0\] must be 2"),
+        (_set(2, torch.tensor([-1, 0])), r"prefix_lens\[0\] = -1 is negative"),
+        (
+            _set(2, torch.tensor([6, 5])),
+            r"prefix_lens\[0\] \+ accepted\[0, 2\] = 6 \+ 4 must be < 10",
+        ),
+        (
+            _set(3, torch.tensor([[0, 2, 2], [0, 1, -1]])),
+            r"accepted\[0, 2\] = 2 must be greater than the previous node",
+        ),
+        (
+            _set(3, torch.tensor([[0, -1, 4], [0, 1, -1]])),
+            r"accepted\[0, 2\] = 4 follows -1 padding",
+        ),
+        (
+            _set(3, torch.tensor([[0, 2, 4], [0, -2, -1]])),
+            r"accepted\[1, 1\] = -2 \(padding must be -1\)",
+        ),
+        (
+            _set(3, torch.tensor([0, 2, 4])),
+            r"accepted must have 2 dims \[batch, max_accepted\], got 1",
+        ),
+    ],
+)
+def test_kv_commit_errors(change, message):
+    args = list(_commit_args())
+    change(args)
+    with pytest.raises(ValueError, match=message):
+        ops.kv_commit(*args)
+
+
+def test_kv_commit_checks_everything_before_writing():
+    caches, rows, prefix, _ = _commit_args()
+    caches = [torch.randn_like(c) for c in caches]
+    before = [c.clone() for c in caches]
+    with pytest.raises(ValueError, match=r"accepted\[1, 2\] = 2 must be greater"):
+        ops.kv_commit(caches, rows, prefix, torch.tensor([[0, 2, 4], [0, 3, 2]]))
+    assert all(torch.equal(c, old) for c, old in zip(caches, before))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kv_commit_cuda(dtype):
+    gen = torch.Generator().manual_seed(5)
+    caches = [torch.randn(4, 3, 40, 64, generator=gen).to(dtype).cuda() for _ in range(6)]
+    args = (torch.tensor([3, 0, 1]), torch.tensor([0, 17, 9]))
+    accepted = torch.tensor([[0, 1, 5, 6, 9], [0, 3, 4, 12, 20], [0, 2, -1, -1, -1]])
+    expected = [c.clone() for c in caches]
+    ops.kv_commit_reference(expected, *args, accepted)
+    ops.kv_commit(caches, *(t.cuda() for t in args), accepted.cuda())
+    for c, e in zip(caches, expected):
+        assert torch.equal(c, e)

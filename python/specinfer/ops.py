@@ -122,3 +122,44 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     out = torch.empty(x2.shape[0], weight.shape[0], dtype=x.dtype)
     _C.linear(x2, weight.detach(), None if bias is None else bias.detach(), out)
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def kv_commit_reference(
+    caches: list[torch.Tensor],
+    cache_rows: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    accepted: torch.Tensor,
+) -> None:
+    """Depth-first KV commit, in place: the accepted tree nodes' K/V move to consecutive slots.
+
+    caches:      K and V of every layer, each [N, Hkv, S, D]
+    cache_rows:  [B] integer, the cache row of request b
+    prefix_lens: [B] integer, slots before the tree; tree node i is stored at prefix_lens[b] + i
+    accepted:    [B, A] integer, the accepted root-to-node path (node indices, increasing, parents
+                 before children), -1 padded
+    For a = 0, 1, ... while accepted[b, a] >= 0: slot prefix + accepted[b, a] is copied to slot
+    prefix + a. Copying in order is safe: accepted[b, a] >= a, so no source is overwritten first.
+    """
+    for b in range(accepted.shape[0]):
+        row, n = int(cache_rows[b]), int(prefix_lens[b])
+        for a, node in enumerate(accepted[b].tolist()):
+            if node < 0:
+                break
+            for cache in caches:
+                cache[row, :, n + a] = cache[row, :, n + node]
+
+
+def kv_commit(
+    caches: list[torch.Tensor],
+    cache_rows: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    accepted: torch.Tensor,
+) -> None:
+    """The compiled commit when available, else the reference (same semantics)."""
+    if _C is None:
+        return kv_commit_reference(caches, cache_rows, prefix_lens, accepted)
+    device = caches[0].device if caches else torch.device("cpu")
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    # The kernel checks the indices on the host before it writes anything.
+    indices = [t.detach().cpu() for t in (cache_rows, prefix_lens, accepted)]
+    _C.kv_commit([c.detach() for c in caches], *indices, stream)
