@@ -144,12 +144,20 @@ def test_tree_attention_requires_grad_and_numpy():
     gen = torch.Generator().manual_seed(1)
     q, k, v, rows, prefix, mask = make_case(gen, 2, 4, [3, 7], (8, 2), 64)
     out = ops.tree_attention(q.requires_grad_(), k, v, rows, prefix, mask)
-    torch.testing.assert_close(out, ops.tree_attention_reference(q.detach(), k, v, rows, prefix, mask))
+    torch.testing.assert_close(
+        out, ops.tree_attention_reference(q.detach(), k, v, rows, prefix, mask)
+    )
     # Any __dlpack__ producer works, not only torch.
     got = torch.empty_like(out)
     _C.tree_attention(
-        q.detach().numpy(), k.numpy(), v.numpy(), rows.numpy(), prefix.numpy(), mask.numpy(),
-        got.numpy(), 1 / math.sqrt(64),
+        q.detach().numpy(),
+        k.numpy(),
+        v.numpy(),
+        rows.numpy(),
+        prefix.numpy(),
+        mask.numpy(),
+        got.numpy(),
+        1 / math.sqrt(64),
     )
     torch.testing.assert_close(got, out)
 
@@ -166,19 +174,46 @@ def _narrow_kv_head_dim(args):
 @pytest.mark.parametrize(
     "change,message",
     [
-        (lambda a: a.__setitem__(1, a[1][0]), r"k_cache must have 4 dims \[rows, kv_heads, seq, head_dim\], got 3"),
-        (lambda a: a.__setitem__(0, a[0][..., :5, :]), r"q_heads \(5\) must be a multiple of kv_heads \(3\)"),
-        (lambda a: a.__setitem__(2, a[2].double()), r"v_cache must have the dtype of q \(float32\), got an unsupported dtype"),
-        (lambda a: a.__setitem__(3, a[3].float()), r"cache_rows must be int32 or int64, got float32"),
-        (lambda a: a.__setitem__(3, torch.tensor([0, 4])), r"cache_rows\[1\] = 4 is out of range \[0, 4\)"),
-        (lambda a: a.__setitem__(3, torch.tensor([-1, 0])), r"cache_rows\[0\] = -1 is out of range"),
-        (lambda a: a.__setitem__(4, torch.tensor([4, 9])), r"prefix_lens\[1\] \+ tokens = 9 \+ 3 must be in \[0, 11\]"),
+        (
+            lambda a: a.__setitem__(1, a[1][0]),
+            r"k_cache must have 4 dims \[rows, kv_heads, seq, head_dim\], got 3",
+        ),
+        (
+            lambda a: a.__setitem__(0, a[0][..., :5, :]),
+            r"q_heads \(5\) must be a multiple of kv_heads \(3\)",
+        ),
+        (
+            lambda a: a.__setitem__(2, a[2].double()),
+            r"v_cache must have the dtype of q \(float32\), got an unsupported dtype",
+        ),
+        (
+            lambda a: a.__setitem__(3, a[3].float()),
+            r"cache_rows must be int32 or int64, got float32",
+        ),
+        (
+            lambda a: a.__setitem__(3, torch.tensor([0, 4])),
+            r"cache_rows\[1\] = 4 is out of range \[0, 4\)",
+        ),
+        (
+            lambda a: a.__setitem__(3, torch.tensor([-1, 0])),
+            r"cache_rows\[0\] = -1 is out of range",
+        ),
+        (
+            lambda a: a.__setitem__(4, torch.tensor([4, 9])),
+            r"prefix_lens\[1\] \+ tokens = 9 \+ 3 must be in \[0, 11\]",
+        ),
         (lambda a: a.__setitem__(4, torch.tensor([4])), r"prefix_lens.shape\[0\] must be 2"),
         (lambda a: a.__setitem__(5, a[5][:, :2]), r"tree_mask.shape\[1\] must be 3"),
         (lambda a: a.__setitem__(5, a[5].float()), r"tree_mask must be bool or uint8, got float32"),
-        (lambda a: a.__setitem__(2, a[2][..., :32]), r"v_cache must have the shape of k_cache \[4, 3, 11, 64\], got \[4, 3, 11, 32\]"),
+        (
+            lambda a: a.__setitem__(2, a[2][..., :32]),
+            r"v_cache must have the shape of k_cache \[4, 3, 11, 64\], got \[4, 3, 11, 32\]",
+        ),
         (_narrow_kv_head_dim, r"k_cache.shape\[3\] must be 64 \(head_dim of q\), got 32"),
-        (lambda a: a.__setitem__(0, a[0].transpose(1, 3).contiguous().transpose(1, 3)), r"q must be contiguous in its last dim"),
+        (
+            lambda a: a.__setitem__(0, a[0].transpose(1, 3).contiguous().transpose(1, 3)),
+            r"q must be contiguous in its last dim",
+        ),
     ],
 )
 def test_tree_attention_errors(change, message):
@@ -190,9 +225,13 @@ def test_tree_attention_errors(change, message):
 
 def test_tree_attention_error_out_and_dtype():
     q, k, v, rows, prefix, mask = _bad_args()
-    with pytest.raises(ValueError, match=r"q must be a tensor with __dlpack__ \(e.g. torch.Tensor\), got list"):
+    with pytest.raises(
+        ValueError, match=r"q must be a tensor with __dlpack__ \(e.g. torch.Tensor\), got list"
+    ):
         _C.tree_attention([1.0], k, v, rows, prefix, mask, q, 1.0)
-    with pytest.raises(ValueError, match=r"out must have the shape of q \[2, 3, 9, 64\], got \[2, 3, 9, 32\]"):
+    with pytest.raises(
+        ValueError, match=r"out must have the shape of q \[2, 3, 9, 64\], got \[2, 3, 9, 32\]"
+    ):
         _C.tree_attention(q, k, v, rows, prefix, mask, torch.empty(2, 3, 9, 32), 1.0)
     h = [t.half() if t.is_floating_point() else t for t in (q, k, v, rows, prefix, mask)]
     with pytest.raises(ValueError, match="float16 is not supported on cpu"):
@@ -247,7 +286,9 @@ def test_linear_matches_torch(dtype, rows, n, k, with_bias):
     bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
     out = torch.empty(rows, n, dtype=dtype)
     _C.linear(x, w, bias, out)
-    expected = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float())
+    expected = torch.nn.functional.linear(
+        x.float(), w.float(), None if bias is None else bias.float()
+    )
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(out.float(), expected, **tol)
 
@@ -273,13 +314,34 @@ def test_linear_strided_rows_and_ops_wrapper():
 @pytest.mark.parametrize(
     "args,message",
     [
-        ((torch.zeros(2, 8), torch.zeros(3, 9), None, torch.zeros(2, 3)), r"weight.shape\[1\] must be 8 \(in_features of x\), got 9"),
-        ((torch.zeros(2, 8), torch.zeros(3, 8), None, torch.zeros(2, 4)), r"out.shape\[1\] must be 3"),
-        ((torch.zeros(2, 8), torch.zeros(3, 8).bfloat16(), None, torch.zeros(2, 3)), r"weight must have the dtype of x \(float32\), got bfloat16"),
-        ((torch.zeros(2, 8), torch.zeros(3, 8), torch.zeros(4), torch.zeros(2, 3)), r"bias.shape\[0\] must be 3"),
-        ((torch.zeros(8), torch.zeros(3, 8), None, torch.zeros(2, 3)), r"x must have 2 dims \[rows, in_features\], got 1"),
-        ((torch.zeros(2, 8).half(), torch.zeros(3, 8).half(), None, torch.zeros(2, 3).half()), r"x must be float32 or bfloat16, got float16"),
-        ((torch.zeros(2, 8), torch.zeros(8, 3).T, None, torch.zeros(2, 3)), r"weight must be contiguous in its last dim"),
+        (
+            (torch.zeros(2, 8), torch.zeros(3, 9), None, torch.zeros(2, 3)),
+            r"weight.shape\[1\] must be 8 \(in_features of x\), got 9",
+        ),
+        (
+            (torch.zeros(2, 8), torch.zeros(3, 8), None, torch.zeros(2, 4)),
+            r"out.shape\[1\] must be 3",
+        ),
+        (
+            (torch.zeros(2, 8), torch.zeros(3, 8).bfloat16(), None, torch.zeros(2, 3)),
+            r"weight must have the dtype of x \(float32\), got bfloat16",
+        ),
+        (
+            (torch.zeros(2, 8), torch.zeros(3, 8), torch.zeros(4), torch.zeros(2, 3)),
+            r"bias.shape\[0\] must be 3",
+        ),
+        (
+            (torch.zeros(8), torch.zeros(3, 8), None, torch.zeros(2, 3)),
+            r"x must have 2 dims \[rows, in_features\], got 1",
+        ),
+        (
+            (torch.zeros(2, 8).half(), torch.zeros(3, 8).half(), None, torch.zeros(2, 3).half()),
+            r"x must be float32 or bfloat16, got float16",
+        ),
+        (
+            (torch.zeros(2, 8), torch.zeros(8, 3).T, None, torch.zeros(2, 3)),
+            r"weight must be contiguous in its last dim",
+        ),
     ],
 )
 def test_linear_errors(args, message):
@@ -293,7 +355,9 @@ def test_ops_linear_dispatch(monkeypatch):
     gen = torch.Generator().manual_seed(7)
     w = torch.randn(24, 40, generator=gen)
     calls = []
-    monkeypatch.setattr(ops, "_C", type("Spy", (), {"linear": lambda *a: calls.append(a) or _C.linear(*a)}))
+    monkeypatch.setattr(
+        ops, "_C", type("Spy", (), {"linear": lambda *a: calls.append(a) or _C.linear(*a)})
+    )
     for dtype, rows, expect in [
         (torch.bfloat16, 64, True),
         (torch.bfloat16, 65, False),
@@ -303,7 +367,9 @@ def test_ops_linear_dispatch(monkeypatch):
         calls.clear()
         x = torch.randn(rows, 40, generator=gen).to(dtype)
         got = ops.linear(x, w.to(dtype))
-        torch.testing.assert_close(got.float(), x.float() @ w.to(dtype).float().T, atol=3e-2, rtol=2e-2)
+        torch.testing.assert_close(
+            got.float(), x.float() @ w.to(dtype).float().T, atol=3e-2, rtol=2e-2
+        )
         assert bool(calls) == expect, (dtype, rows)
     monkeypatch.setattr(ops, "FAST_LINEAR_FP32", False)
     calls.clear()
