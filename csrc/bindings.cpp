@@ -117,6 +117,15 @@ void kv_commit(const py::sequence& caches, py::handle cache_rows, py::handle pre
 #endif
 }
 
+void topk_expand(py::handle logits, int64_t k, float temperature, py::handle tokens,
+                 py::handle probs) {
+  const std::string op = "topk_expand";
+  Borrowed blogits = borrow(logits, op, "logits"), btokens = borrow(tokens, op, "tokens"),
+           bprobs = borrow(probs, op, "probs");
+  py::gil_scoped_release release;
+  topk_expand_cpu(blogits.view, k, temperature, btokens.view, bprobs.view);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -134,4 +143,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("accepted"), py::arg("stream") = 0,
         "Moves each request's accepted tree nodes' K/V to consecutive slots in every cache "
         "(semantics: specinfer.ops.kv_commit_reference). Index tensors must be on cpu.");
+  m.def("topk_expand", &topk_expand, py::arg("logits"), py::arg("k"), py::arg("temperature"),
+        py::arg("tokens"), py::arg("probs"),
+        "The k most likely tokens of softmax(logits / temperature) and their probabilities into "
+        "`tokens` and `probs` on cpu (semantics: specinfer.ops.topk_expand_reference).");
 }

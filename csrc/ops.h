@@ -36,3 +36,12 @@ void kv_commit_cuda(const std::vector<TensorView>& caches, const std::vector<KvM
 #endif
 
 }  // namespace specinfer
+
+// --- topk_expand (see topk_expand_reference in python/specinfer/ops.py) ---
+namespace specinfer {
+
+// tokens[N, k] int64 and probs[N, k] float32: the k most likely tokens of softmax(logits / t).
+void topk_expand_cpu(const TensorView& logits, int64_t k, float temperature,
+                     const TensorView& tokens, const TensorView& probs);
+
+}  // namespace specinfer

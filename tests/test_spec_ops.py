@@ -3,6 +3,8 @@ their pure-torch references in specinfer.ops."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -276,3 +278,107 @@ def test_kv_commit_cuda(dtype):
     ops.kv_commit(caches, *(t.cuda() for t in args), accepted.cuda())
     for c, e in zip(caches, expected):
         assert torch.equal(c, e)
+
+
+# --- topk_expand ---
+
+
+def assert_topk_matches_reference(logits, k, temperature):
+    tokens, probs = ops.topk_expand(logits, k, temperature)
+    ref_tokens, ref_probs = ops.topk_expand_reference(logits, k, temperature)
+    assert tokens.dtype == torch.int64 and probs.dtype == torch.float32
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(probs, ref_probs, atol=1e-7, rtol=1e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 6),
+    vocab=st.integers(1, 3000),
+    k_fraction=st.floats(0.0, 1.0),
+    temperature=st.sampled_from([0.0, 0.3, 1.0, 2.5]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    levels=st.sampled_from([None, 3]),
+    seed=st.integers(0, 2**31),
+)
+def test_topk_expand_random(rows, vocab, k_fraction, temperature, dtype, levels, seed):
+    """`levels` draws logits from a few values only: many ties, broken by the lower token id."""
+    gen = torch.Generator().manual_seed(seed)
+    if levels is None:
+        logits = torch.randn(rows, vocab, generator=gen) * 4
+    else:
+        logits = torch.randint(levels, (rows, vocab), generator=gen).float()
+    k = round(k_fraction * vocab)
+    assert_topk_matches_reference(logits.to(dtype), k, temperature)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_topk_expand_vocabulary_rows(dtype):
+    """SmolLM2's vocabulary, enough rows to run in parallel, a strided view, and k = V."""
+    gen = torch.Generator().manual_seed(6)
+    logits = (torch.randn(8, 49152 + 5, generator=gen) * 3).to(dtype)[:, :49152]
+    for k in (1, 3, 20):
+        assert_topk_matches_reference(logits, k, 0.7)
+    tokens, probs = ops.topk_expand(logits[:2], 49152, 1.0)
+    assert torch.equal(tokens.sort(dim=-1).values, torch.arange(49152).expand(2, -1))
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2))
+    assert torch.all(probs[:, :-1] >= probs[:, 1:])
+
+
+def test_topk_expand_ties_and_masked_tokens():
+    logits = torch.tensor([[1.0, 3.0, 3.0, -math.inf, 3.0], [-math.inf, 0.0, -math.inf, 0.0, 5.0]])
+    tokens, probs = ops.topk_expand(logits, 5, 0.0)
+    assert tokens.tolist() == [[1, 2, 4, 0, 3], [4, 1, 3, 0, 2]]
+    assert probs[0, 0] == probs[0, 1] == probs[0, 2] > probs[0, 3] > probs[0, 4] == 0
+    assert probs[1, 1] == probs[1, 2] > probs[1, 3] == probs[1, 4] == 0
+    assert_topk_matches_reference(logits, 5, 0.0)
+
+
+@pytest.mark.parametrize(
+    "logits,k,temperature,message",
+    [
+        (torch.zeros(2, 8), 9, 1.0, r"k = 9 must be in \[0, 8\] \(the vocabulary size"),
+        (torch.zeros(2, 8), -1, 1.0, r"k = -1 must be in \[0, 8\]"),
+        (torch.zeros(2, 8), 2, -0.5, r"temperature must be finite and >= 0, got -0.5"),
+        (torch.zeros(2, 8), 2, math.inf, r"temperature must be finite and >= 0, got inf"),
+    ],
+)
+def test_topk_expand_argument_errors(logits, k, temperature, message):
+    for fn in (ops.topk_expand, ops.topk_expand_reference):
+        with pytest.raises(ValueError, match=message):
+            fn(logits, k, temperature)
+
+
+@pytest.mark.parametrize(
+    "logits,tokens,probs,message",
+    [
+        (torch.zeros(2, 8).half(), None, None, r"logits must be float32 or bfloat16, got float16"),
+        (torch.zeros(8), None, None, r"logits must have 2 dims \[rows, vocab\], got 1"),
+        (torch.zeros(8, 2).T, None, None, r"logits must be contiguous in its last dim"),
+        (torch.zeros(2, 8), torch.zeros(2, 3, dtype=torch.int32), None, r"tokens must be int64"),
+        (
+            torch.zeros(2, 8),
+            torch.zeros(2, 2, dtype=torch.int64),
+            None,
+            r"tokens.shape\[1\] must be 3 \(k\)",
+        ),
+        (
+            torch.zeros(2, 8),
+            None,
+            torch.zeros(3, 3),
+            r"probs.shape\[0\] must be 2 \(rows of logits\)",
+        ),
+        (torch.tensor([[0.0, math.nan]]), None, None, r"logits row 0 has no softmax"),
+        (torch.tensor([[0.0, 1.0], [math.inf, 0.0]]), None, None, r"logits row 1 has no softmax"),
+        (torch.full((1, 4), -math.inf), None, None, r"logits row 0 has no softmax"),
+    ],
+)
+def test_topk_expand_kernel_errors(logits, tokens, probs, message):
+    rows = logits.shape[0] if logits.dim() == 2 else 1
+    tokens = torch.zeros(rows, 3, dtype=torch.int64) if tokens is None else tokens
+    probs = torch.zeros(rows, 3) if probs is None else probs
+    k = 3 if logits.shape[-1] >= 3 else 2
+    if k == 2:
+        tokens, probs = tokens[:, :2], probs[:, :2]
+    with pytest.raises(ValueError, match=message):
+        _C.topk_expand(logits, k, 1.0, tokens, probs)

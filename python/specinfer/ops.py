@@ -163,3 +163,43 @@ def kv_commit(
     # The kernel checks the indices on the host before it writes anything.
     indices = [t.detach().cpu() for t in (cache_rows, prefix_lens, accepted)]
     _C.kv_commit([c.detach() for c in caches], *indices, stream)
+
+
+def _check_topk_args(logits: torch.Tensor, k: int, temperature: float) -> None:
+    vocab = logits.shape[-1]
+    if not 0 <= k <= vocab:
+        raise ValueError(
+            f"topk_expand: k = {k} must be in [0, {vocab}] (the vocabulary size, logits.shape[1])"
+        )
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"topk_expand: temperature must be finite and >= 0, got {temperature}")
+
+
+def topk_expand_reference(
+    logits: torch.Tensor, k: int, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely tokens of softmax(logits / temperature) per row, best first.
+
+    logits: [N, V] float32 or bfloat16. Temperature 0 (greedy decoding) means 1.0 here: a greedy
+    tree still ranks its children by the plain softmax. Ties (equal logits) go to the lower token
+    id. Returns tokens [N, k] int64 and their probabilities under the full softmax [N, k] float32.
+    """
+    _check_topk_args(logits, k, temperature)
+    x = logits.float()
+    probs = torch.softmax(x.double() / (temperature or 1.0), dim=-1).float()
+    # Ranking by logit is ranking by probability, without ties made by rounding.
+    tokens = torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :k]
+    return tokens, probs.gather(-1, tokens)
+
+
+def topk_expand(
+    logits: torch.Tensor, k: int, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compiled kernel for cpu tensors, else the reference (same semantics)."""
+    if _C is None or logits.device.type != "cpu":
+        return topk_expand_reference(logits, k, temperature)
+    _check_topk_args(logits, k, temperature)
+    tokens = torch.empty(logits.shape[0], k, dtype=torch.int64)
+    probs = torch.empty(logits.shape[0], k, dtype=torch.float32)
+    _C.topk_expand(logits.detach(), k, temperature, tokens, probs)
+    return tokens, probs
