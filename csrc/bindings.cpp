@@ -126,6 +126,39 @@ void topk_expand(py::handle logits, int64_t k, float temperature, py::handle tok
   topk_expand_cpu(blogits.view, k, temperature, btokens.view, bprobs.view);
 }
 
+using VerifyResult = std::pair<std::vector<int64_t>, int64_t>;
+
+VerifyResult verify_greedy(py::handle parents, py::handle tokens, py::handle target_argmax) {
+  const std::string op = "verify_greedy";
+  Borrowed bp = borrow(parents, op, "parents"), bt = borrow(tokens, op, "tokens"),
+           ba = borrow(target_argmax, op, "target_argmax");
+  py::gil_scoped_release release;
+  return verify_greedy_cpu(bp.view, bt.view, ba.view);
+}
+
+VerifyResult verify_stochastic(py::handle parents, py::handle tokens, py::handle p_target,
+                               py::handle prop_parent, py::handle prop_child, py::handle prop_q,
+                               py::handle q, uint64_t seed) {
+  const std::string op = "verify_stochastic";
+  Borrowed bp = borrow(parents, op, "parents"), bt = borrow(tokens, op, "tokens"),
+           bprobs = borrow(p_target, op, "p_target"), bpp = borrow(prop_parent, op, "prop_parent"),
+           bpc = borrow(prop_child, op, "prop_child"), bpq = borrow(prop_q, op, "prop_q");
+  Borrowed bq;
+  if (!q.is_none()) bq = borrow(q, op, "q");
+  py::gil_scoped_release release;
+  return verify_stochastic_cpu(bp.view, bt.view, bprobs.view, bpp.view, bpc.view, bpq.view,
+                               q.is_none() ? nullptr : &bq.view, seed);
+}
+
+VerifyResult verify_naive(py::handle parents, py::handle tokens, py::handle p_target,
+                          uint64_t seed) {
+  const std::string op = "verify_naive";
+  Borrowed bp = borrow(parents, op, "parents"), bt = borrow(tokens, op, "tokens"),
+           bprobs = borrow(p_target, op, "p_target");
+  py::gil_scoped_release release;
+  return verify_naive_cpu(bp.view, bt.view, bprobs.view, seed);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -147,4 +180,12 @@ PYBIND11_MODULE(_C, m) {
         py::arg("tokens"), py::arg("probs"),
         "The k most likely tokens of softmax(logits / temperature) and their probabilities into "
         "`tokens` and `probs` on cpu (semantics: specinfer.ops.topk_expand_reference).");
+  m.def("verify_greedy", &verify_greedy, py::arg("parents"), py::arg("tokens"),
+        py::arg("target_argmax"), "(path, next_token); see specinfer.verify.verify_greedy.");
+  m.def("verify_stochastic", &verify_stochastic, py::arg("parents"), py::arg("tokens"),
+        py::arg("p_target"), py::arg("prop_parent"), py::arg("prop_child"), py::arg("prop_q"),
+        py::arg("q"), py::arg("seed"),
+        "(path, next_token); see specinfer.verify.verify_stochastic.");
+  m.def("verify_naive", &verify_naive, py::arg("parents"), py::arg("tokens"), py::arg("p_target"),
+        py::arg("seed"), "(path, next_token); see specinfer.verify.verify_naive.");
 }

@@ -45,3 +45,27 @@ void topk_expand_cpu(const TensorView& logits, int64_t k, float temperature,
                      const TensorView& tokens, const TensorView& probs);
 
 }  // namespace specinfer
+
+// --- verifiers (see the references in python/specinfer/verify.py) ---
+#include <utility>
+
+namespace specinfer {
+
+// Each returns (path, next_token): the accepted nodes from the root 0 and the target's token
+// after the last of them. Trees: parents [T] (parents[0] = -1, parents before children), tokens
+// [T]; all on cpu.
+std::pair<std::vector<int64_t>, int64_t> verify_greedy_cpu(const TensorView& parents,
+                                                           const TensorView& tokens,
+                                                           const TensorView& target_argmax);
+// Multi-step speculative sampling; proposal i drew child prop_child[i] of prop_parent[i] from
+// q[prop_q[i]], or deterministically when prop_q[i] = -1 (q may then be null).
+std::pair<std::vector<int64_t>, int64_t> verify_stochastic_cpu(
+    const TensorView& parents, const TensorView& tokens, const TensorView& p_target,
+    const TensorView& prop_parent, const TensorView& prop_child, const TensorView& prop_q,
+    const TensorView* q, uint64_t seed);
+std::pair<std::vector<int64_t>, int64_t> verify_naive_cpu(const TensorView& parents,
+                                                          const TensorView& tokens,
+                                                          const TensorView& p_target,
+                                                          uint64_t seed);
+
+}  // namespace specinfer
