@@ -23,6 +23,23 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--threads", type=int, default=None)
     gen.add_argument(
+        "--ssm",
+        default=None,
+        help="speculative model: a model path, or layers:L (the target's first L layers)",
+    )
+    gen.add_argument(
+        "--tree",
+        default=None,
+        help="expansion config, e.g. 1,1,3,1 (default: the paper's 1,1,3,1,1,1,1,1)",
+    )
+    gen.add_argument(
+        "--mode",
+        choices=["incremental", "sequence", "tree"],
+        default=None,
+        help="default: tree when --ssm is given, else incremental",
+    )
+    gen.add_argument("--stats", action="store_true", help="print decoding statistics to stderr")
+    gen.add_argument(
         "--chat",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -40,17 +57,38 @@ def main(argv: list[str] | None = None) -> int:
             top_p=args.top_p,
             seed=args.seed,
         )
-        engine = Engine(args.model, dtype=args.dtype, device=args.device, threads=args.threads)
+        engine = Engine(
+            args.model,
+            dtype=args.dtype,
+            device=args.device,
+            threads=args.threads,
+            ssm=args.ssm,
+            tree=args.tree,
+            mode=args.mode,
+        )
         use_chat = args.chat if args.chat is not None else bool(engine.tokenizer.chat_template)
         prompt = [{"role": "user", "content": args.prompt}] if use_chat else args.prompt
         for delta in engine.stream(prompt, params):
             sys.stdout.write(delta)
             sys.stdout.flush()
         sys.stdout.write("\n")
+        if args.stats:
+            print(_format_stats(engine.last_metrics), file=sys.stderr)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"specinfer: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _format_stats(m: dict) -> str:
+    tokens, decode_s = m["generated_tokens"], m["decode_s"]
+    per_token = 1000 * decode_s / max(1, tokens - 1)
+    return (
+        f"[{tokens} tokens, {m['steps']} decode steps, {m['tokens_per_step']:.2f} tokens/step, "
+        f"{per_token:.1f} ms/token (prefill {1000 * m['prefill_s']:.0f} ms; "
+        f"ssm {1000 * m['ssm_s']:.0f} ms, target {1000 * m['target_s']:.0f} ms, "
+        f"verify {1000 * m['verify_s']:.0f} ms, commit {1000 * m['commit_s']:.0f} ms)]"
+    )
 
 
 if __name__ == "__main__":

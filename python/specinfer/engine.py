@@ -14,11 +14,14 @@ from pathlib import Path
 
 import torch
 
+from specinfer import ops, verify
 from specinfer.default_model import default_model_path
 from specinfer.loader import load_model
-from specinfer.sampling import SamplingParams, make_generator, next_token
+from specinfer.sampling import SamplingParams, make_generator, next_token, probabilities
+from specinfer.speculator import load_speculator
 from specinfer.streaming import TextStream
 from specinfer.tokenizer import TokenizerWrapper
+from specinfer.tree import TokenTree, TreeConfig
 
 Prompt = str | list[int] | list[dict]  # text, token ids, or chat messages
 
@@ -45,19 +48,20 @@ class _Request:
         self.finish_reason: str | None = None
         self.row = -1
         self.max_len = 0  # prompt + generated tokens allowed
-        self.prefill_s = self.decode_s = 0.0
+        self.ssm_len = 0  # tokens in the speculator's KV cache
+        # Decode steps (target forwards after prefill), time per phase, and how often a node
+        # at each tree depth was accepted.
+        self.metrics = {"prefill_s": 0.0, "steps": 0, "ssm_s": 0.0, "target_s": 0.0, "verify_s": 0.0,
+                        "commit_s": 0.0, "tree_nodes": 0, "accepted_per_depth": []}  # fmt: skip
 
     def completion(self) -> Completion:
+        m = dict(self.metrics)
+        m["generated_tokens"] = len(self.output_ids)
+        m["decode_s"] = m["ssm_s"] + m["target_s"] + m["verify_s"] + m["commit_s"]
+        # The prefill yields the first token; each decode step yields the rest.
+        m["tokens_per_step"] = (len(self.output_ids) - 1) / m["steps"] if m["steps"] else 0.0
         return Completion(
-            self.text,
-            self.output_ids,
-            self.finish_reason or "length",
-            len(self.prompt_ids),
-            {
-                "prefill_s": self.prefill_s,
-                "decode_s": self.decode_s,
-                "generated_tokens": len(self.output_ids),
-            },
+            self.text, self.output_ids, self.finish_reason or "length", len(self.prompt_ids), m
         )
 
 
@@ -72,7 +76,15 @@ class Engine:
         device: str | torch.device = "cpu",
         threads: int | None = None,
         max_batch_size: int = 16,
+        ssm: str | Path | int | None = None,
+        tree: TreeConfig | str | None = None,
+        mode: str | None = None,
+        verifier: str = "mss",
     ):
+        """mode: "incremental" (no SSM), "sequence" (a chain as deep as the tree) or "tree"
+        (default when an SSM is given). ssm: a model path sharing the target's tokenizer, or
+        an int L / "layers:L" for the target's first L layers. verifier: "mss" (multi-step
+        speculative sampling) or "naive" (the ablation) for stochastic decoding."""
         if threads is not None:
             torch.set_num_threads(threads)
         if max_batch_size < 1:
@@ -89,6 +101,20 @@ class Engine:
         self.config = self.model.config
         self.tokenizer = TokenizerWrapper.from_path(path)
         self.max_batch_size = max_batch_size
+        self.mode = mode or ("tree" if ssm is not None else "incremental")
+        if self.mode not in ("incremental", "sequence", "tree"):
+            raise ValueError(f"mode must be 'incremental', 'sequence' or 'tree', got {self.mode!r}")
+        if verifier not in ("mss", "naive"):
+            raise ValueError(f"verifier must be 'mss' or 'naive', got {verifier!r}")
+        self.verifier = verifier
+        self.speculator = None
+        if self.mode != "incremental":
+            if ssm is None:
+                raise ValueError(f"mode {self.mode!r} needs an ssm (a model path or layers:L)")
+            tree = TreeConfig.parse(tree) if isinstance(tree, str) else tree or TreeConfig()
+            if self.mode == "sequence":
+                tree = TreeConfig((1,) * tree.depth, tree.max_nodes, tree.sample_children)
+            self.speculator = load_speculator(ssm, self.model, path, tree, self.dtype, self.device)
         eos = self.config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self.tokenizer.eos_token_id is not None:
@@ -112,6 +138,7 @@ class Engine:
         (request,) = self._make_requests([prompt], params)
         for _, delta in self._run([request]):
             yield delta
+        self.last_metrics = request.completion().metrics
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> Completion:
         return self.generate([messages], params)[0]
@@ -171,28 +198,43 @@ class Engine:
         for r in requests:
             r.max_len = min(len(r.prompt_ids) + r.params.max_tokens, context)
         rows = min(self.max_batch_size, len(requests))
-        kv = self.model.make_kv_cache(rows, max(r.max_len for r in requests))
+        # Room for a tree after the longest sequence (and for padding of batched levels).
+        room = 2 * self.speculator.tree.num_nodes if self.speculator else 0
+        kv = self.model.make_kv_cache(rows, max(r.max_len for r in requests) + room)
+        if self.speculator:
+            self.speculator.reset(rows, max(r.max_len for r in requests) + room)
         free_rows, waiting, active = list(range(rows)), list(requests), []
         while waiting or active:
-            while waiting and free_rows:  # admit and prefill
-                r = waiting.pop(0)
-                r.row = free_rows.pop()
-                t0 = time.perf_counter()
-                logits = self._forward(kv, [r], [r.prompt_ids])
-                r.prefill_s = time.perf_counter() - t0
-                yield from self._append(r, logits[0])
-                if r.finish_reason is None:
-                    active.append(r)
-                else:
-                    free_rows.append(r.row)
+            if waiting and free_rows:  # admit; prompts of equal length share one prefill
+                admitted = [waiting.pop(0) for _ in range(min(len(waiting), len(free_rows)))]
+                for length in dict.fromkeys(len(r.prompt_ids) for r in admitted):
+                    group = [r for r in admitted if len(r.prompt_ids) == length]
+                    for r in group:
+                        r.row, r.ssm_len = free_rows.pop(), 0
+                    t0 = time.perf_counter()
+                    logits = self._forward(kv, group, [r.prompt_ids for r in group])
+                    for r, lg in zip(group, logits):
+                        r.metrics["prefill_s"] = time.perf_counter() - t0
+                        yield from self._append(r, [next_token(lg, r.params, r.generator)])
+                        if r.finish_reason is None:
+                            active.append(r)
+                        else:
+                            free_rows.append(r.row)
             if not active:
                 continue
-            t0 = time.perf_counter()
-            logits = self._forward(kv, active, [[r.output_ids[-1]] for r in active])
-            step_s = time.perf_counter() - t0
-            for r, row_logits in zip(active, logits):
-                r.decode_s += step_s
-                yield from self._append(r, row_logits)
+            if self.speculator is None:
+                t0 = time.perf_counter()
+                logits = self._forward(kv, active, [[r.output_ids[-1]] for r in active])
+                new_tokens = [
+                    [next_token(lg, r.params, r.generator)] for r, lg in zip(active, logits)
+                ]
+                for r in active:
+                    r.metrics["target_s"] += time.perf_counter() - t0
+            else:
+                new_tokens = self._speculative_step(kv, active)
+            for r, tokens in zip(active, new_tokens):
+                r.metrics["steps"] += 1
+                yield from self._append(r, tokens)
             free_rows += [r.row for r in active if r.finish_reason is not None]
             active = [r for r in active if r.finish_reason is None]
 
@@ -215,24 +257,87 @@ class Engine:
         )
         return self.model.compute_logits(hidden[:, -1])
 
-    def _append(self, r: _Request, logits: torch.Tensor) -> Iterator[tuple[_Request, str]]:
-        token = next_token(logits, r.params, r.generator)
-        r.output_ids.append(token)
-        is_eos = token in self.eos_ids and not r.params.ignore_eos
-        delta = "" if is_eos else r.stream.add(token)
-        if r.stream.stopped or is_eos:
-            r.finish_reason = "stop"
-        elif len(r.prompt_ids) + len(r.output_ids) >= r.max_len:
-            r.finish_reason = "length"
-        if r.finish_reason is not None:
-            delta += r.stream.finish()
+    def _speculative_step(self, kv, batch: list[_Request]) -> list[list[int]]:
+        """Draft a tree per request, verify all trees in one target forward, commit the
+        accepted paths in both caches; returns each request's new tokens."""
+        dev = self.device
+        tokens = [r.prompt_ids + r.output_ids for r in batch]
+        # No point speculating past what the request may still generate.
+        max_depths = [r.max_len - len(seq) - 1 for r, seq in zip(batch, tokens)]
+        t0 = time.perf_counter()
+        trees = self.speculator.draft(batch, tokens, max_depths)
+        t1 = time.perf_counter()
+        T = max(len(tree) for tree in trees)
+        prefix = [len(seq) - 1 for seq in tokens]
+        rows = torch.tensor([r.row for r in batch], device=dev)
+        mask = torch.zeros(len(batch), T, T, dtype=torch.bool)
+        for b, tree in enumerate(trees):
+            mask[b, : len(tree), : len(tree)] = tree.ancestor_mask()
+        positions = [
+            [p + d for d in tree.depths] + [p] * (T - len(tree)) for p, tree in zip(prefix, trees)
+        ]
+        hidden = self.model(
+            _pad([tree.tokens for tree in trees], 0, dev), torch.tensor(positions, device=dev), kv, rows,
+            torch.tensor(prefix, device=dev), mask.to(dev),
+        )  # fmt: skip
+        logits = self.model.compute_logits(hidden)
+        t2 = time.perf_counter()
+        verified = [
+            self._verify(r, tree, logits[b, : len(tree)])
+            for b, (r, tree) in enumerate(zip(batch, trees))
+        ]
+        paths = [path for path, _ in verified]
+        t3 = time.perf_counter()
+        ops.kv_commit(kv.k + kv.v, rows, torch.tensor(prefix, device=dev), _pad(paths, -1, dev))
+        self.speculator.commit(batch, prefix, paths, trees, max_depths)
+        t4 = time.perf_counter()
+        for r, path, tree in zip(batch, paths, trees):
+            m = r.metrics
+            m["ssm_s"] += t1 - t0
+            m["target_s"] += t2 - t1
+            m["verify_s"] += t3 - t2
+            m["commit_s"] += t4 - t3
+            m["tree_nodes"] += len(tree)
+            accepted = m["accepted_per_depth"]
+            accepted += [0] * (len(path) - 1 - len(accepted))
+            for depth in range(len(path) - 1):
+                accepted[depth] += 1
+        return [tree.path_tokens(path[1:]) + [nxt] for tree, (path, nxt) in zip(trees, verified)]
+
+    def _verify(self, r: _Request, tree: TokenTree, logits: torch.Tensor) -> tuple[list[int], int]:
+        if r.params.greedy:
+            return verify.verify_greedy(tree.parents, tree.tokens, logits.argmax(-1))
+        p = probabilities(logits, r.params.temperature, r.params.top_k, r.params.top_p)
+        seed = int(torch.randint(0, 2**62, (1,), generator=r.generator))
+        if self.verifier == "naive":
+            return verify.verify_naive(tree.parents, tree.tokens, p, seed)
+        q = torch.stack(tree.q_rows) if tree.q_rows else None
+        proposals = (tree.prop_parent, tree.prop_child, tree.prop_q)
+        return verify.verify_stochastic(tree.parents, tree.tokens, p, proposals, q, seed)
+
+    def _append(self, r: _Request, tokens: list[int]) -> Iterator[tuple[_Request, str]]:
+        """Append tokens until one of them finishes the request (the rest are dropped)."""
+        delta = ""
+        for token in tokens:
+            r.output_ids.append(token)
+            is_eos = token in self.eos_ids and not r.params.ignore_eos
+            if not is_eos:
+                delta += r.stream.add(token)
+            if r.stream.stopped or is_eos:
+                r.finish_reason = "stop"
+            elif len(r.prompt_ids) + len(r.output_ids) >= r.max_len:
+                r.finish_reason = "length"
+            if r.finish_reason is not None:
+                delta += r.stream.finish()
+                break
         r.text += delta
         if delta:
             yield r, delta
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """ "auto" picks bfloat16 where the hardware computes it natively, else float32."""
+    """ "auto" is bfloat16: decode is memory-bound, and our CPU linear kernel reads bf16 weights
+    (half the bytes of fp32) on any AVX2 machine; use float32 for bit-level comparisons."""
     if isinstance(dtype, torch.dtype):
         chosen = dtype
     elif dtype == "auto":
@@ -256,6 +361,11 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if chosen == torch.float16 and device.type == "cpu":
         raise ValueError("float16 is not supported on the CPU; use bfloat16 or float32")
     return chosen
+
+
+def _pad(seqs: list[list[int]], value: int, device) -> torch.Tensor:
+    width = max(len(s) for s in seqs)
+    return torch.tensor([s + [value] * (width - len(s)) for s in seqs], device=device)
 
 
 def _is_token_ids(x) -> bool:

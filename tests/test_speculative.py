@@ -1,0 +1,206 @@
+"""Tree-based speculative decoding end to end: lossless for greedy (token-identical to
+incremental) and for sampling (chi-squared against the exact incremental distribution)."""
+
+import json
+import math
+from itertools import product
+
+import pytest
+import torch
+
+from specinfer import Engine, SamplingParams
+from specinfer.speculator import Speculator
+from specinfer.tree import TreeConfig
+
+VOCAB = 6
+PROMPT = [1, 4, 2]
+
+
+def _tiny_llama(path, seed: int, layers: int = 2):
+    """A random small-vocabulary Llama saved as an HF directory, with a word-level tokenizer."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        initializer_range=0.4, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return _tiny_llama(root / "target", seed=0, layers=3), _tiny_llama(root / "ssm", seed=1)
+
+
+# -- greedy: token-identical --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tree", ["1,1,3,1", "2,2,2", "3,1,1,1,1"])
+@pytest.mark.parametrize("ssm_kind", ["other", "self", "layers"])
+def test_greedy_tree_equals_incremental_tiny(tiny_pair, tree, ssm_kind):
+    target, other = tiny_pair
+    ssm = {"other": other, "self": target, "layers": 1}[ssm_kind]  # "self" accepts whole paths
+    prompts = [PROMPT, [3], [5, 5, 1, 0, 2, 4, 4], [2, 3]]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    reference = Engine(target, dtype="float32").generate(prompts, params)
+    for mode in ("tree", "sequence"):
+        engine = Engine(target, dtype="float32", ssm=ssm, tree=tree, mode=mode, max_batch_size=3)
+        outs = engine.generate(prompts, params)  # 4 prompts on 3 rows: a row gets reused
+        assert [o.token_ids for o in outs] == [r.token_ids for r in reference], (mode, tree)
+        single = engine.generate(prompts[2], params)[0]
+        assert single.token_ids == reference[2].token_ids
+        if ssm_kind == "self":  # a perfect SSM: every step accepts a whole root-to-leaf path
+            assert outs[0].metrics["tokens_per_step"] > 2.0
+
+
+def test_speculative_metrics_and_bad_configs(tiny_pair):
+    target, other = tiny_pair
+    engine = Engine(target, dtype="float32", ssm=target, tree="1,2,1")
+    out = engine.generate(PROMPT, SamplingParams(max_tokens=10, ignore_eos=True))[0]
+    m = out.metrics
+    assert m["steps"] >= 1 and m["ssm_s"] > 0 and m["target_s"] > 0
+    assert m["tokens_per_step"] == pytest.approx((len(out.token_ids) - 1) / m["steps"])
+    assert m["accepted_per_depth"][0] >= m["accepted_per_depth"][-1]
+    with pytest.raises(ValueError, match="needs an ssm"):
+        Engine(target, mode="tree")
+    with pytest.raises(ValueError, match="more than max_nodes"):
+        Engine(target, ssm=1, tree="8,8,8")
+    with pytest.raises(ValueError, match="1 <= layers < 3"):
+        Engine(target, ssm=3)
+    with pytest.raises(FileNotFoundError, match="SSM not found"):
+        Engine(target, ssm=target / "nope")
+
+
+# -- sampling: the same distribution as incremental sampling ------------------------------------
+
+SAMPLES = 20_000
+PARAMS = {"temperature": 1.0}
+
+
+def _exact_joint(engine: Engine, n: int = 3) -> dict[tuple, float]:
+    """P(first n tokens) under incremental sampling, from the target's own logits."""
+    model = engine.model
+    probs: dict[tuple, float] = {(): 1.0}
+    for _ in range(n):
+        nxt = {}
+        for prefix, p in probs.items():
+            ids = torch.tensor([PROMPT + list(prefix)])
+            T = ids.shape[1]
+            kv = model.make_kv_cache(1, T)
+            hidden = model(ids, torch.arange(T)[None], kv, torch.tensor([0]), torch.tensor([0]),
+                           torch.ones(1, T, T, dtype=torch.bool).tril())  # fmt: skip
+            dist = torch.softmax(
+                model.compute_logits(hidden[0, -1]).double() / PARAMS["temperature"], -1
+            )
+            for t in range(VOCAB):
+                nxt[prefix + (t,)] = p * dist[t].item()
+        probs = nxt
+    return probs
+
+
+def _chi_squared_p(
+    counts: dict[tuple, int], expected: dict[tuple, float], total: int
+) -> tuple[float, float]:
+    """Pearson chi-squared with cells of expected count < 5 pooled; p from Wilson-Hilferty."""
+    stat, pooled_obs, pooled_exp, cells = 0.0, 0, 0.0, 0
+    for key, p in expected.items():
+        e, o = p * total, counts.get(key, 0)
+        if e < 5:
+            pooled_obs, pooled_exp = pooled_obs + o, pooled_exp + e
+            continue
+        stat, cells = stat + (o - e) ** 2 / e, cells + 1
+    if pooled_exp > 0:
+        stat, cells = stat + (pooled_obs - pooled_exp) ** 2 / pooled_exp, cells + 1
+    df = cells - 1
+    z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+    return stat, 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def _sample_first3(engine: Engine) -> dict[tuple, int]:
+    params = [
+        SamplingParams(max_tokens=3, seed=s, ignore_eos=True, **PARAMS) for s in range(SAMPLES)
+    ]
+    outs = engine.generate([PROMPT] * SAMPLES, params)
+    counts: dict[tuple, int] = {}
+    for o in outs:
+        key = tuple(o.token_ids[:3])
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+@pytest.fixture(scope="module")
+def exact(tiny_pair):
+    return _exact_joint(Engine(tiny_pair[0], dtype="float32"))
+
+
+def _speculative_engine(tiny_pair, **kwargs):
+    return Engine(tiny_pair[0], dtype="float32", ssm=tiny_pair[1], max_batch_size=512, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [
+        ("incremental", {}),
+        ("mss, sampled children", {"tree": TreeConfig((3, 2), sample_children=True)}),
+        ("mss, top-k children", {"tree": TreeConfig((2, 2))}),
+        ("naive sampling", {"tree": TreeConfig((2, 2)), "verifier": "naive"}),
+    ],
+)
+def test_sampling_matches_incremental_distribution(tiny_pair, exact, name, kwargs):
+    engine = (
+        Engine(tiny_pair[0], dtype="float32", max_batch_size=512)
+        if not kwargs
+        else _speculative_engine(tiny_pair, **kwargs)
+    )
+    stat, p = _chi_squared_p(_sample_first3(engine), exact, SAMPLES)
+    print(f"\n{name}: chi2 = {stat:.1f}, p = {p:.3f}")
+    assert p > 0.01, f"{name}: chi2 = {stat:.1f}, p = {p:.2e}"
+
+
+def _wrong_ratio_on_topk(self, tree, node, logits, width, params, generator):
+    """Top-k children verified as if they were drawn from the SSM's distribution: biased."""
+    from specinfer.sampling import probabilities
+
+    q = probabilities(logits, params.temperature, params.top_k, params.top_p)
+    row = tree.add_distribution(q)
+    for t in torch.topk(q, width).indices.tolist():
+        tree.propose(node, t, row)
+
+
+def _forget_multiplicity(self, tree, node, logits, width, params, generator):
+    """Sampled children with duplicate draws collapsed to one proposal: biased."""
+    from specinfer.sampling import probabilities
+
+    q = probabilities(logits, params.temperature, params.top_k, params.top_p)
+    row = tree.add_distribution(q)
+    for t in dict.fromkeys(
+        torch.multinomial(q, width, replacement=True, generator=generator).tolist()
+    ):
+        tree.propose(node, t, row)
+
+
+@pytest.mark.parametrize(
+    "name, expand",
+    [("q ratio on top-k", _wrong_ratio_on_topk), ("no multiplicity", _forget_multiplicity)],
+)
+def test_the_test_detects_biased_verification(tiny_pair, exact, monkeypatch, name, expand):
+    monkeypatch.setattr(Speculator, "_expand", expand)
+    engine = _speculative_engine(tiny_pair, tree=TreeConfig((3, 3), sample_children=True))
+    stat, p = _chi_squared_p(_sample_first3(engine), exact, SAMPLES)
+    print(f"\n{name}: chi2 = {stat:.1f}, p = {p:.2e}")
+    assert p < 1e-3, f"{name} should be detected as biased: chi2 = {stat:.1f}, p = {p:.3f}"
+
+
+def test_exact_joint_is_a_distribution(exact):
+    assert len(exact) == VOCAB**3
+    assert sum(exact.values()) == pytest.approx(1.0)
+    assert set(exact) == set(product(range(VOCAB), repeat=3))
