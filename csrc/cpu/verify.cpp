@@ -195,9 +195,7 @@ std::pair<std::vector<int64_t>, int64_t> verify_stochastic_cpu(
   }
   for (int64_t u = 1; u < T; ++u) {
     if (!proposed[u]) {
-      fail(op, "node " + std::to_string(u) +
-                   " has no proposal (each child must record how it "
-                   "was drawn)");
+      fail(op, "node " + std::to_string(u) + " has no proposal (each child records its draws)");
     }
     if (tree.tokens[u] < 0 || tree.tokens[u] >= V) {
       fail(op, at("tokens", u) + " = " + std::to_string(tree.tokens[u]) + " is out of range [0, " +
