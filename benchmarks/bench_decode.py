@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from results_io import save
 from specinfer import Engine, SamplingParams
 
 PROMPTS = [
@@ -163,22 +164,10 @@ def main() -> None:
         else "not installed",
         "rows": rows,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
-    plot(result, out.with_suffix(".png"))
+    save(result, args.out, plot)
 
 
-def plot(result: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (pip install matplotlib)")
-        return
+def plot(result: dict, plt):
     rows = result["rows"]
     labels = [f"{r['dtype']}\nbatch {r['batch']}" for r in rows]
     series = [
@@ -197,9 +186,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_ylabel("ms per decode step")
     ax.set_title(f"Decode latency, {result['machine']['threads']} threads")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    return fig
 
 
 if __name__ == "__main__":

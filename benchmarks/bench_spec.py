@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from results_io import save
 from specinfer import Engine, SamplingParams
 from specinfer.tree import TreeConfig
 
@@ -171,22 +172,10 @@ def main() -> None:
         )
     result["latency"] = latency
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
-    plot(result, out.with_suffix(".png"))
+    save(result, args.out, plot)
 
 
-def plot(result: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (pip install matplotlib)")
-        return
+def plot(result: dict, plt):
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     t2 = result["table2_tokens_per_step"]
     widths = list(t2)
@@ -209,9 +198,7 @@ def plot(result: dict, path: Path) -> None:
     )
     for ax in axes:
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    return fig
 
 
 if __name__ == "__main__":
