@@ -76,10 +76,8 @@ def tree_attention(
         )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     out = torch.empty_like(q)
-    # __dlpack__ refuses tensors that require grad; the kernel is inference-only anyway.
-    args = [t.detach() for t in (q, k_cache, v_cache, cache_rows, prefix_lens, tree_mask)]
     stream = torch.cuda.current_stream(q.device).cuda_stream if q.is_cuda else 0
-    _C.tree_attention(*args, out, scale, stream)
+    _C.tree_attention(q, k_cache, v_cache, cache_rows, prefix_lens, tree_mask, out, scale, stream)
     return out
 
 
@@ -95,19 +93,21 @@ FAST_LINEAR_MAX_ROWS = {torch.bfloat16: 64, torch.float32: 32}
 
 
 def _use_compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    if _C is None or x.device.type != "cpu" or weight.device.type != "cpu":
+    # Runs for every projection of every step: only cheap tests (no device objects, no generators).
+    if _C is None or not (x.is_cpu and weight.is_cpu):
+        return False
+    max_rows = FAST_LINEAR_MAX_ROWS.get(x.dtype)
+    if max_rows is None or (x.dtype == torch.float32 and not FAST_LINEAR_FP32):
         return False
     if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
         return False
-    if x.dtype not in FAST_LINEAR_MAX_ROWS or (x.dtype == torch.float32 and not FAST_LINEAR_FP32):
-        return False
-    if torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, weight, bias)
+    if torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     ):
         return False
     if x.dim() == 0 or weight.dim() != 2 or weight.stride(-1) != 1 or x.shape[-1] == 0:
         return False
-    return 0 < x.numel() // x.shape[-1] <= FAST_LINEAR_MAX_ROWS[x.dtype]
+    return 0 < x.numel() // x.shape[-1] <= max_rows
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -115,12 +115,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     faster kernel (e.g. a bandwidth-bound bf16 GEMV for decode) can be swapped in here."""
     if not _use_compiled_linear(x, weight, bias):
         return torch.nn.functional.linear(x, weight, bias)
-    # Parameters require grad even under no_grad, and __dlpack__ refuses those: detach.
-    x2 = x.detach().reshape(-1, x.shape[-1])
+    x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     out = torch.empty(x2.shape[0], weight.shape[0], dtype=x.dtype)
-    _C.linear(x2, weight.detach(), None if bias is None else bias.detach(), out)
+    _C.linear(x2, weight, bias, out)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
