@@ -145,6 +145,41 @@ void topk_expand(py::handle logits, int64_t k, float temperature, py::handle tok
   topk_expand_cpu(blogits.view, k, temperature, btokens.view, bprobs.view);
 }
 
+void rms_norm(py::handle x, py::handle weight, py::handle residual, py::handle out, float eps) {
+  const std::string op = "rms_norm";
+  Borrowed bx = borrow(x, op, "x"), bw = borrow(weight, op, "weight"),
+           bout = borrow(out, op, "out");
+  Borrowed bres;
+  if (!residual.is_none()) bres = borrow(residual, op, "residual");
+  py::gil_scoped_release release;
+  rms_norm_cpu(bx.view, bw.view, residual.is_none() ? nullptr : &bres.view, bout.view, eps);
+}
+
+void rotary(py::handle q, py::handle k, py::handle cos, py::handle sin, py::handle positions) {
+  const std::string op = "rotary";
+  Borrowed bq = borrow(q, op, "q"), bk = borrow(k, op, "k"), bcos = borrow(cos, op, "cos"),
+           bsin = borrow(sin, op, "sin"), bpos = borrow(positions, op, "positions");
+  py::gil_scoped_release release;
+  rotary_cpu(bq.view, bk.view, bcos.view, bsin.view, bpos.view);
+}
+
+void silu_mul(py::handle x, py::handle out) {
+  const std::string op = "silu_mul";
+  Borrowed bx = borrow(x, op, "x"), bout = borrow(out, op, "out");
+  py::gil_scoped_release release;
+  silu_mul_cpu(bx.view, bout.view);
+}
+
+void kv_write(py::handle k_cache, py::handle v_cache, py::handle k, py::handle v,
+              py::handle cache_rows, py::handle slots) {
+  const std::string op = "kv_write";
+  Borrowed bkc = borrow(k_cache, op, "k_cache"), bvc = borrow(v_cache, op, "v_cache"),
+           bk = borrow(k, op, "k"), bv = borrow(v, op, "v"),
+           brows = borrow(cache_rows, op, "cache_rows"), bslots = borrow(slots, op, "slots");
+  py::gil_scoped_release release;
+  kv_write_cpu(bkc.view, bvc.view, bk.view, bv.view, brows.view, bslots.view);
+}
+
 using VerifyResult = std::pair<std::vector<int64_t>, int64_t>;
 
 VerifyResult verify_greedy(py::handle parents, py::handle tokens, py::handle target_argmax) {
@@ -207,4 +242,17 @@ PYBIND11_MODULE(_C, m) {
         "(path, next_token); see specinfer.verify.verify_stochastic.");
   m.def("verify_naive", &verify_naive, py::arg("parents"), py::arg("tokens"), py::arg("p_target"),
         py::arg("seed"), "(path, next_token); see specinfer.verify.verify_naive.");
+  m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("weight"), py::arg("residual"), py::arg("out"),
+        py::arg("eps"),
+        "out = rms_norm(x) * weight on cpu; with a residual (else None), residual += x first and "
+        "residual is normalised (semantics: specinfer.ops.rms_norm_reference).");
+  m.def("rotary", &rotary, py::arg("q"), py::arg("k"), py::arg("cos"), py::arg("sin"),
+        py::arg("positions"),
+        "Rotary embedding of q and k in place on cpu (semantics: specinfer.ops.rotary_reference).");
+  m.def("silu_mul", &silu_mul, py::arg("x"), py::arg("out"),
+        "out = silu(gate) * up of x = [gate, up] on cpu (semantics: "
+        "specinfer.ops.silu_mul_reference).");
+  m.def("kv_write", &kv_write, py::arg("k_cache"), py::arg("v_cache"), py::arg("k"), py::arg("v"),
+        py::arg("cache_rows"), py::arg("slots"),
+        "Stores new K/V in the cache slots on cpu (semantics: specinfer.ops.kv_write_reference).");
 }

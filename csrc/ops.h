@@ -46,6 +46,25 @@ void topk_expand_cpu(const TensorView& logits, int64_t k, float temperature,
 
 }  // namespace specinfer
 
+// --- fused decoder-layer ops (see rms_norm_reference etc. in python/specinfer/ops.py) ---
+namespace specinfer {
+
+// out = rms_norm(x) * weight over the last dim; with residual, first residual += x and then
+// out = rms_norm(residual) * weight. float32 or bfloat16 on cpu, rounded like HF Llama.
+void rms_norm_cpu(const TensorView& x, const TensorView& weight, const TensorView* residual,
+                  const TensorView& out, float eps);
+// Rotates q [..., heads, D] and k [..., kv_heads, D] in place by cos/sin[positions] (tables
+// [max_positions, D] in float32 or q's dtype, rotate_half layout); positions has q's leading dims.
+void rotary_cpu(const TensorView& q, const TensorView& k, const TensorView& cos,
+                const TensorView& sin, const TensorView& positions);
+// out[..., I] = silu(x[..., :I]) * x[..., I:] (the fused gate/up projection's output).
+void silu_mul_cpu(const TensorView& x, const TensorView& out);
+// k/v_cache[cache_rows[b], :, slots[b, t]] = k/v[b, t]; indices are checked before any write.
+void kv_write_cpu(const TensorView& k_cache, const TensorView& v_cache, const TensorView& k,
+                  const TensorView& v, const TensorView& cache_rows, const TensorView& slots);
+
+}  // namespace specinfer
+
 // --- verifiers (see the references in python/specinfer/verify.py) ---
 #include <utility>
 

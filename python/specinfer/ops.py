@@ -202,3 +202,103 @@ def topk_expand(
     probs = torch.empty(logits.shape[0], k, dtype=torch.float32)
     _C.topk_expand(logits.detach(), k, temperature, tokens, probs)
     return tokens, probs
+
+
+# --- fused decoder-layer ops (rms_norm, rotary, silu_mul, kv_write) ---
+# At decode sizes a torch op costs more in dispatch than in arithmetic; each of these replaces
+# several. The wrappers only pick the path; the kernels check their arguments themselves.
+
+
+def _fused_on_cpu(x: torch.Tensor) -> bool:
+    return _C is not None and x.is_cpu and x.dtype in (torch.float32, torch.bfloat16)
+
+
+def rms_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """weight * x / rms(x) over the last dim, rounded as HF Llama does: normalise in float32,
+    cast to x's dtype, then scale in that dtype. With `residual` (a decoder layer's residual
+    stream), first residual += x in place, and residual is what gets normalised."""
+    if residual is not None:
+        x = residual.add_(x)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The compiled kernel for cpu tensors, else the reference (same semantics)."""
+    if not _fused_on_cpu(x):
+        return rms_norm_reference(x, weight, eps, residual)
+    out = torch.empty_like(x)
+    _C.rms_norm(x, weight, residual, out, eps)
+    return out
+
+
+def rotary_reference(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+) -> None:
+    """Rotates q [..., heads, D] and k [..., kv_heads, D] in place by their positions' angles, in
+    HF's rotate_half layout: x * cos + rotate_half(x) * sin, with the tables cos/sin
+    [max_positions, D] (float32 or q's dtype) looked up at positions (q's leading dims) and cast
+    to q's dtype."""
+    c = cos[positions].unsqueeze(-2).to(q.dtype)
+    s = sin[positions].unsqueeze(-2).to(q.dtype)
+    for x in (q, k):
+        x1, x2 = x.chunk(2, dim=-1)
+        x.copy_(x * c + torch.cat([-x2, x1], dim=-1) * s)
+
+
+def rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+) -> None:
+    """The compiled kernel for cpu tensors, else the reference (same semantics)."""
+    if not _fused_on_cpu(q):
+        return rotary_reference(q, k, cos, sin, positions)
+    _C.rotary(q, k, cos, sin, positions)
+
+
+def silu_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for x = [gate, up] along the last dim (a fused gate/up projection)."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """The compiled kernel for cpu tensors, else the reference (same semantics)."""
+    if not _fused_on_cpu(x):
+        return silu_mul_reference(x)
+    out = torch.empty(x.shape[:-1] + (x.shape[-1] // 2,), dtype=x.dtype)
+    _C.silu_mul(x, out)
+    return out
+
+
+def kv_write_reference(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache_rows: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """Stores k/v [B, T, kv_heads, D] into the caches [rows, kv_heads, seq, D] at row
+    cache_rows[b], sequence slot slots[b, t]."""
+    rows = cache_rows.view(-1, 1).expand_as(slots)
+    k_cache[rows, :, slots] = k.to(k_cache.dtype)
+    v_cache[rows, :, slots] = v.to(v_cache.dtype)
+
+
+def kv_write(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache_rows: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """The compiled kernel for cpu tensors of the cache's dtype, else the reference."""
+    if not _fused_on_cpu(k) or k.dtype != k_cache.dtype:
+        return kv_write_reference(k_cache, v_cache, k, v, cache_rows, slots)
+    _C.kv_write(k_cache, v_cache, k, v, cache_rows, slots)
