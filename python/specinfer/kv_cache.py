@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from specinfer import ops
+
 
 class KVCache:
     def __init__(
@@ -38,6 +40,4 @@ class KVCache:
 
         Slots are storage positions (prefix_len + t), not RoPE positions: in a token tree
         the RoPE position is prefix_len + depth, and siblings share it."""
-        rows = cache_rows.view(-1, 1).expand_as(slots)
-        self.k[layer][rows, :, slots] = k_new.to(self.k[layer].dtype)
-        self.v[layer][rows, :, slots] = v_new.to(self.v[layer].dtype)
+        ops.kv_write(self.k[layer], self.v[layer], k_new, v_new, cache_rows, slots)

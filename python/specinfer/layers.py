@@ -186,11 +186,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = _param(dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32, scale in the model dtype (as HF Llama does).
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """Normalised x, or with `residual`: residual += x in place, then normalised residual
+        (see `ops.rms_norm_reference`)."""
+        return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 class LayerNorm(nn.Module):
@@ -237,18 +236,6 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
-        """cos, sin [B, T, 1, D] for positions [B, T], computed once per forward pass."""
-        return self.cos[positions].unsqueeze(2).to(dtype), self.sin[positions].unsqueeze(2).to(
-            dtype
-        )
-
-
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """Rotate q, k [B, T, H, D] by their positions' angles."""
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> None:
+        """Rotate q, k [B, T, H, D] in place by the angles of positions [B, T]."""
+        ops.rotary(q, k, self.cos, self.sin, positions)

@@ -20,7 +20,6 @@ from specinfer.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
-    apply_rotary,
     divide,
 )
 from specinfer.models.config import ModelConfig
@@ -33,6 +32,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.num_heads = divide(cfg.num_heads, "attention heads")
         self.num_kv_heads = divide(cfg.num_kv_heads, "key/value heads")
+        self.heads = [self.num_heads, self.num_kv_heads, self.num_kv_heads]  # of q, k, v
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias
         )
@@ -40,13 +40,12 @@ class LlamaAttention(nn.Module):
             cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.attention_bias
         )
 
-    def forward(self, x, cos, sin, kv, cache_rows, prefix_lens, slots, tree_mask):
+    def forward(self, x, rotary, positions, kv, cache_rows, prefix_lens, slots, tree_mask):
         B, T, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.local_sizes, dim=-1)
-        q = q.view(B, T, self.num_heads, self.head_dim)
-        k = k.view(B, T, self.num_kv_heads, self.head_dim)
-        v = v.view(B, T, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, cos, sin)
+        # One view and a split by heads; Tensor.split's Python wrapper costs more than the op.
+        qkv = self.qkv_proj(x).view(B, T, -1, self.head_dim)
+        q, k, v = qkv.split_with_sizes(self.heads, dim=2)
+        rotary(q, k, positions)
         kv.write(self.layer, k, v, cache_rows, slots)
         out = ops.tree_attention(
             q, kv.k[self.layer], kv.v[self.layer], cache_rows, prefix_lens, tree_mask
@@ -62,9 +61,13 @@ class LlamaMLP(nn.Module):
         )
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
         self.act = ACTIVATIONS[cfg.activation]
+        self.is_silu = cfg.activation == "silu"
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.is_silu:
+            return self.down_proj(ops.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -76,9 +79,16 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
 
-    def forward(self, h, *attn_args):
-        h = h + self.self_attn(self.input_layernorm(h), *attn_args)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, residual, *attn_args):
+        """h: the previous layer's output; residual: the stream it is added to (None in the first
+        layer, whose h is the embedding). Each residual add is fused into the norm after it."""
+        if residual is None:
+            residual = h
+            x = self.input_layernorm(h)
+        else:
+            x = self.input_layernorm(h, residual)
+        x = self.post_attention_layernorm(self.self_attn(x, *attn_args), residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -122,11 +132,12 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [B, T, H] of T new tokens per request (see `ops.tree_attention`)."""
         T = input_ids.shape[1]
         slots = prefix_lens[:, None] + torch.arange(T, device=input_ids.device)
-        h = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, h.dtype)
+        h, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            h = layer(h, cos, sin, kv, cache_rows, prefix_lens, slots, tree_mask)
-        return self.model.norm(h)
+            h, residual = layer(
+                h, residual, self.rotary, positions, kv, cache_rows, prefix_lens, slots, tree_mask
+            )
+        return self.model.norm(h, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
