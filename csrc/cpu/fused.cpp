@@ -8,6 +8,7 @@
 
 #include "core/numeric.h"
 #include "core/tensor_view.h"
+#include "cpu/cpu_features.h"
 #include "ops.h"
 
 namespace specinfer {
@@ -65,8 +66,8 @@ void check_index(const TensorView& v, const std::string& op, const char* name) {
 }
 
 template <typename T>
-void rms_norm_rows(const TensorView& x, const TensorView& w, const TensorView* residual,
-                   const TensorView& out, float eps) {
+SPECINFER_INLINE void rms_norm_rows(const TensorView& x, const TensorView& w,
+                                    const TensorView* residual, const TensorView& out, float eps) {
   const int64_t rows = rows_of(x), n = x.shape[x.ndim - 1];
   const T* weight = w.ptr<const T>();
   for (int64_t r = 0; r < rows; ++r) {
@@ -114,7 +115,7 @@ void rotary_rows(const TensorView& x, const TensorView& cos, const TensorView& s
 }
 
 template <typename T>
-void silu_mul_rows(const TensorView& x, const TensorView& out) {
+SPECINFER_INLINE void silu_mul_rows(const TensorView& x, const TensorView& out) {
   const int64_t rows = rows_of(x), n = out.shape[out.ndim - 1];
   for (int64_t r = 0; r < rows; ++r) {
     const T* gate = x.ptr<const T>() + offset_of(x, r, x.ndim - 1);
@@ -126,6 +127,34 @@ void silu_mul_rows(const TensorView& x, const TensorView& out) {
       dst[i] = from_float<T>(round_to<T>(g / (1.0f + fast_exp(-g))) * to_float(up[i]));
     }
   }
+}
+
+// The arithmetic-heavy kernels also get an AVX2+FMA copy (8 lanes instead of SSE2's 4), picked
+// at run time; the always-inline kernel is vectorised for each caller's target.
+template <typename T>
+SPECINFER_TARGET(SPECINFER_AVX2)
+void rms_norm_avx2(const TensorView& x, const TensorView& w, const TensorView* residual,
+                   const TensorView& out, float eps) {
+  rms_norm_rows<T>(x, w, residual, out, eps);
+}
+
+template <typename T>
+void rms_norm_run(const TensorView& x, const TensorView& w, const TensorView* residual,
+                  const TensorView& out, float eps) {
+  if (cpu::has_avx2_fma()) return rms_norm_avx2<T>(x, w, residual, out, eps);
+  rms_norm_rows<T>(x, w, residual, out, eps);
+}
+
+template <typename T>
+SPECINFER_TARGET(SPECINFER_AVX2)
+void silu_mul_avx2(const TensorView& x, const TensorView& out) {
+  silu_mul_rows<T>(x, out);
+}
+
+template <typename T>
+void silu_mul_run(const TensorView& x, const TensorView& out) {
+  if (cpu::has_avx2_fma()) return silu_mul_avx2<T>(x, out);
+  silu_mul_rows<T>(x, out);
 }
 
 }  // namespace
@@ -146,9 +175,9 @@ void rms_norm_cpu(const TensorView& x, const TensorView& weight, const TensorVie
   check_same_shape(out, x, op, "out", "x");
   if (residual) check_same_shape(*residual, x, op, "residual", "x");
   if (x.dtype == DType::kFloat32) {
-    rms_norm_rows<float>(x, weight, residual, out, eps);
+    rms_norm_run<float>(x, weight, residual, out, eps);
   } else {
-    rms_norm_rows<bf16>(x, weight, residual, out, eps);
+    rms_norm_run<bf16>(x, weight, residual, out, eps);
   }
 }
 
@@ -208,9 +237,9 @@ void silu_mul_cpu(const TensorView& x, const TensorView& out) {
   if (x.shape[x.ndim - 1] % 2) fail(op, "the last dim of x (gate, then up) must be even");
   check_size(out, out.ndim - 1, x.shape[x.ndim - 1] / 2, op, "out", "half the last dim of x");
   if (x.dtype == DType::kFloat32) {
-    silu_mul_rows<float>(x, out);
+    silu_mul_run<float>(x, out);
   } else {
-    silu_mul_rows<bf16>(x, out);
+    silu_mul_run<bf16>(x, out);
   }
 }
 
