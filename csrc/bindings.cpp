@@ -34,7 +34,7 @@ py::object dlpack_capsule(py::handle obj) {
     to_dlpack =
         py::object(py::module_::import("torch.utils.dlpack").attr("to_dlpack")).release().ptr();
   }
-  if (tensor_type != nullptr && PyObject_IsInstance(obj.ptr(), tensor_type) == 1) {
+  if (tensor_type != nullptr && py::isinstance(obj, py::handle(tensor_type))) {
     return py::handle(to_dlpack)(obj);
   }
   if (!py::hasattr(obj, "__dlpack__")) return py::object();
