@@ -42,9 +42,20 @@ def _top2_gap(engine: Engine, ids: list[int]) -> tuple[float, list[int]]:
     return (top2.values[0] - top2.values[1]).item(), top2.indices.tolist()
 
 
+_references: dict = {}  # (prompts, tokens) -> incremental completions, shared by all configs
+
+
+def _reference(incremental: Engine, prompts: list, tokens: int) -> list:
+    key = (repr(prompts), tokens)
+    if key not in _references:
+        params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+        _references[key] = incremental.generate(prompts, params)
+    return _references[key]
+
+
 def _check(incremental: Engine, spec: Engine, prompts: list, tokens: int) -> list[str]:
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-    reference = incremental.generate(prompts, params)
+    reference = _reference(incremental, prompts, tokens)
     outs = spec.generate(prompts, params)
     ties = []
     for i, (ref, out) in enumerate(zip(reference, outs)):
