@@ -8,6 +8,7 @@
 
 #include "core/dlpack.h"
 #include "core/tensor_view.h"
+#include "core/topk_expand_args.h"
 #include "ops.h"
 
 namespace py = pybind11;
@@ -137,12 +138,22 @@ void kv_commit(const py::sequence& caches, py::handle cache_rows, py::handle pre
 }
 
 void topk_expand(py::handle logits, int64_t k, float temperature, py::handle tokens,
-                 py::handle probs) {
+                 py::handle probs, uintptr_t stream) {
   const std::string op = "topk_expand";
   Borrowed blogits = borrow(logits, op, "logits"), btokens = borrow(tokens, op, "tokens"),
            bprobs = borrow(probs, op, "probs");
+  check_topk_expand_args(blogits.view, k, temperature, btokens.view, bprobs.view);
   py::gil_scoped_release release;
-  topk_expand_cpu(blogits.view, k, temperature, btokens.view, bprobs.view);
+  if (blogits.view.device == Device::kCPU) {
+    topk_expand_cpu(blogits.view, k, temperature, btokens.view, bprobs.view);
+    return;
+  }
+#ifdef SPECINFER_WITH_CUDA
+  topk_expand_cuda(blogits.view, k, temperature, btokens.view, bprobs.view, stream);
+#else
+  (void)stream;
+  fail(op, "logits is a cuda tensor but specinfer._C was built without CUDA");
+#endif
 }
 
 void rms_norm(py::handle x, py::handle weight, py::handle residual, py::handle out, float eps) {
@@ -231,9 +242,10 @@ PYBIND11_MODULE(_C, m) {
         "Moves each request's accepted tree nodes' K/V to consecutive slots in every cache "
         "(semantics: specinfer.ops.kv_commit_reference). Index tensors must be on cpu.");
   m.def("topk_expand", &topk_expand, py::arg("logits"), py::arg("k"), py::arg("temperature"),
-        py::arg("tokens"), py::arg("probs"),
+        py::arg("tokens"), py::arg("probs"), py::arg("stream") = 0,
         "The k most likely tokens of softmax(logits / temperature) and their probabilities into "
-        "`tokens` and `probs` on cpu (semantics: specinfer.ops.topk_expand_reference).");
+        "`tokens` and `probs` (semantics: specinfer.ops.topk_expand_reference); on cuda k <= 64 "
+        "and `stream` is the cudaStream_t (as int).");
   m.def("verify_greedy", &verify_greedy, py::arg("parents"), py::arg("tokens"),
         py::arg("target_argmax"), "(path, next_token); see specinfer.verify.verify_greedy.");
   m.def("verify_stochastic", &verify_stochastic, py::arg("parents"), py::arg("tokens"),

@@ -43,6 +43,11 @@ namespace specinfer {
 // tokens[N, k] int64 and probs[N, k] float32: the k most likely tokens of softmax(logits / t).
 void topk_expand_cpu(const TensorView& logits, int64_t k, float temperature,
                      const TensorView& tokens, const TensorView& probs);
+#ifdef SPECINFER_WITH_CUDA
+// float32, bfloat16 or float16 logits; k at most 64. Syncs `stream` to check every row.
+void topk_expand_cuda(const TensorView& logits, int64_t k, float temperature,
+                      const TensorView& tokens, const TensorView& probs, uintptr_t stream);
+#endif
 
 }  // namespace specinfer
 

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/numeric.h"
+#include "core/topk_expand_args.h"
 #include "cpu/cpu_features.h"
 #include "ops.h"
 
@@ -137,40 +138,14 @@ void run(const TensorView& logits, int64_t k, float inv_t, const TensorView& tok
 
 void topk_expand_cpu(const TensorView& logits, int64_t k, float temperature,
                      const TensorView& tokens, const TensorView& probs) {
-  const std::string op = "topk_expand";
-  check_ndim(logits, 2, op, "logits", "[rows, vocab]");
-  check_dtype_is(logits, DType::kFloat32, DType::kBFloat16, op, "logits");
-  check_last_dim_contiguous(logits, op, "logits");
-  const int64_t N = logits.shape[0], V = logits.shape[1];
-  if (k < 0 || k > V) {
-    fail(op, "k = " + std::to_string(k) + " must be in [0, " + std::to_string(V) +
-                 "] (the vocabulary size, logits.shape[1])");
+  check_topk_expand_args(logits, k, temperature, tokens, probs);
+  check_dtype_is(logits, DType::kFloat32, DType::kBFloat16, "topk_expand", "logits");
+  if (logits.device != Device::kCPU) {
+    fail("topk_expand", std::string("logits must be on cpu, got ") + device_name(logits.device));
   }
-  if (!std::isfinite(temperature) || temperature < 0.0f) {
-    fail(op, "temperature must be finite and >= 0, got " + std::to_string(temperature));
-  }
-  check_ndim(tokens, 2, op, "tokens", "[rows, k]");
-  check_ndim(probs, 2, op, "probs", "[rows, k]");
-  if (tokens.dtype != DType::kInt64) {
-    fail(op, std::string("tokens must be int64, got ") + dtype_name(tokens.dtype));
-  }
-  if (probs.dtype != DType::kFloat32) {
-    fail(op, std::string("probs must be float32, got ") + dtype_name(probs.dtype));
-  }
-  check_size(tokens, 0, N, op, "tokens", "rows of logits");
-  check_size(tokens, 1, k, op, "tokens", "k");
-  check_size(probs, 0, N, op, "probs", "rows of logits");
-  check_size(probs, 1, k, op, "probs", "k");
-  const TensorView* all[] = {&logits, &tokens, &probs};
-  const char* names[] = {"logits", "tokens", "probs"};
-  for (int i = 0; i < 3; ++i) {
-    if (all[i]->device != Device::kCPU) {
-      fail(op, std::string(names[i]) + " must be on cpu, got " + device_name(all[i]->device));
-    }
-  }
+  const int64_t N = logits.shape[0];
   if (N == 0 || k == 0) return;
-  // Temperature 0 (greedy) still ranks by the plain softmax.
-  const float inv_t = temperature > 0.0f ? 1.0f / temperature : 1.0f;
+  const float inv_t = topk_inverse_temperature(temperature);
   if (logits.dtype == DType::kFloat32) {
     cpu::run<float>(logits, k, inv_t, tokens, probs);
   } else {

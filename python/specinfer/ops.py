@@ -194,13 +194,15 @@ def topk_expand_reference(
 def topk_expand(
     logits: torch.Tensor, k: int, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The compiled kernel for cpu tensors, else the reference (same semantics)."""
-    if _C is None or logits.device.type != "cpu":
+    """The compiled kernel for cpu and cuda tensors (k <= 64 on cuda), else the reference (same
+    semantics)."""
+    if _C is None or logits.device.type not in ("cpu", "cuda"):
         return topk_expand_reference(logits, k, temperature)
     _check_topk_args(logits, k, temperature)
-    tokens = torch.empty(logits.shape[0], k, dtype=torch.int64)
-    probs = torch.empty(logits.shape[0], k, dtype=torch.float32)
-    _C.topk_expand(logits.detach(), k, temperature, tokens, probs)
+    tokens = torch.empty(logits.shape[0], k, dtype=torch.int64, device=logits.device)
+    probs = torch.empty(logits.shape[0], k, dtype=torch.float32, device=logits.device)
+    stream = torch.cuda.current_stream(logits.device).cuda_stream if logits.is_cuda else 0
+    _C.topk_expand(logits.detach(), k, temperature, tokens, probs, stream)
     return tokens, probs
 
 
