@@ -14,7 +14,11 @@ from specinfer import ops
 
 _C = pytest.importorskip("specinfer._C")
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+def gpu(test):
+    """A CUDA test: marked `gpu` (`pytest -m gpu`) and skipped with a reason without a device."""
+    needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+    return pytest.mark.gpu(needs_cuda(test))
 
 
 def tree_mask_from_parents(parents: list[int]) -> torch.Tensor:
@@ -261,6 +265,45 @@ def test_tree_attention_cuda(dtype, head_dim, heads, tokens, layout):
         got = ops.tree_attention(*args)
         tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(got.float(), expected.float(), **tol)
+
+
+@gpu
+@settings(max_examples=80, deadline=None)
+@given(
+    batch=st.integers(1, 5),
+    tokens=st.integers(1, 130),
+    prefix=st.lists(st.integers(0, 700), min_size=5, max_size=5),
+    heads=st.sampled_from([(9, 3), (32, 32), (32, 8), (4, 4)]),
+    head_dim=st.sampled_from([64, 128]),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
+    index_dtype=st.sampled_from([torch.int32, torch.int64]),
+    mask_dtype=st.sampled_from([torch.bool, torch.uint8]),
+    layout=st.sampled_from(["contiguous", "seq_major", "padded"]),
+    seed=st.integers(0, 2**31),
+)
+def test_tree_attention_cuda_random(
+    batch, tokens, prefix, heads, head_dim, dtype, index_dtype, mask_dtype, layout, seed
+):
+    """Trees past 64 nodes (several packed mask words and query-row blocks), a prefix length per
+    request, GQA, every dtype, index and mask dtype and cache layout."""
+    gen = torch.Generator().manual_seed(seed)
+    args = make_case(
+        gen,
+        batch,
+        tokens,
+        prefix[:batch],
+        heads,
+        head_dim,
+        dtype,
+        index_dtype,
+        mask_dtype,
+        layout,
+        device="cuda",
+    )
+    expected = ops.tree_attention_reference(*args)
+    got = ops.tree_attention(*args)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), expected.float(), **tol)
 
 
 @gpu

@@ -14,7 +14,11 @@ from specinfer import ops
 
 _C = pytest.importorskip("specinfer._C")
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+def gpu(test):
+    """A CUDA test: marked `gpu` (`pytest -m gpu`) and skipped with a reason without a device."""
+    needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+    return pytest.mark.gpu(needs_cuda(test))
 
 
 def random_parents(gen: torch.Generator, n: int) -> list[int]:
@@ -142,16 +146,7 @@ def root_path(parents: list[int], node: int) -> list[int]:
     return path[::-1]
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    trees=st.lists(st.tuples(st.integers(1, 12), st.integers(0, 20)), min_size=1, max_size=3),
-    layers=st.integers(1, 3),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
-    index_dtype=st.sampled_from([torch.int32, torch.int64]),
-    seq_major=st.booleans(),
-    seed=st.integers(0, 2**31),
-)
-def test_kv_commit_moves_accepted_path(trees, layers, dtype, index_dtype, seq_major, seed):
+def check_kv_commit(trees, layers, dtype, index_dtype, seq_major, seed, device="cpu"):
     """After the commit, slots prefix .. prefix + len(path) - 1 hold the K/V that were at the
     path's slots; everything before the prefix and every other row is untouched."""
     gen = torch.Generator().manual_seed(seed)
@@ -164,6 +159,7 @@ def test_kv_commit_moves_accepted_path(trees, layers, dtype, index_dtype, seq_ma
         else torch.randn(*shape, generator=gen).to(dtype)
         for _ in range(2 * layers)
     ]
+    caches = [c.to(device) for c in caches]
     cache_rows = torch.randperm(rows, generator=gen)[:B]
     paths = []
     for nodes, _ in trees:
@@ -178,7 +174,8 @@ def test_kv_commit_moves_accepted_path(trees, layers, dtype, index_dtype, seq_ma
     before = [c.clone() for c in caches]
     expected = [c.clone() for c in caches]
     ops.kv_commit_reference(expected, cache_rows, prefix_lens, accepted)
-    ops.kv_commit(caches, cache_rows, prefix_lens, accepted)
+    # Index tensors on the caches' device too: the wrapper copies them to the host.
+    ops.kv_commit(caches, cache_rows.to(device), prefix_lens.to(device), accepted.to(device))
     for c, e, old in zip(caches, expected, before):
         assert torch.equal(c, e)
         untouched = torch.ones(rows, dtype=torch.bool)
@@ -187,7 +184,30 @@ def test_kv_commit_moves_accepted_path(trees, layers, dtype, index_dtype, seq_ma
             untouched[row] = False
             assert torch.equal(c[row, :, :n], old[row, :, :n])
             assert torch.equal(c[row, :, n : n + len(path)], old[row, :, [n + i for i in path]])
-        assert torch.equal(c[untouched], old[untouched])
+        assert torch.equal(c[untouched.to(device)], old[untouched.to(device)])
+
+
+kv_commit_cases = dict(
+    trees=st.lists(st.tuples(st.integers(1, 12), st.integers(0, 20)), min_size=1, max_size=3),
+    layers=st.integers(1, 3),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    index_dtype=st.sampled_from([torch.int32, torch.int64]),
+    seq_major=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(**kv_commit_cases)
+def test_kv_commit_moves_accepted_path(trees, layers, dtype, index_dtype, seq_major, seed):
+    check_kv_commit(trees, layers, dtype, index_dtype, seq_major, seed)
+
+
+@gpu
+@settings(max_examples=60, deadline=None)
+@given(**kv_commit_cases)
+def test_kv_commit_moves_accepted_path_cuda(trees, layers, dtype, index_dtype, seq_major, seed):
+    check_kv_commit(trees, layers, dtype, index_dtype, seq_major, seed, device="cuda")
 
 
 def _commit_args():
@@ -285,10 +305,19 @@ def test_kv_commit_cuda(dtype):
 
 def assert_topk_matches_reference(logits, k, temperature):
     tokens, probs = ops.topk_expand(logits, k, temperature)
-    ref_tokens, ref_probs = ops.topk_expand_reference(logits, k, temperature)
+    ref_tokens, ref_probs = ops.topk_expand_reference(logits.cpu(), k, temperature)
     assert tokens.dtype == torch.int64 and probs.dtype == torch.float32
-    assert torch.equal(tokens, ref_tokens)
-    torch.testing.assert_close(probs, ref_probs, atol=1e-7, rtol=1e-5)
+    assert tokens.device == probs.device == logits.device
+    assert torch.equal(tokens.cpu(), ref_tokens)
+    torch.testing.assert_close(probs.cpu(), ref_probs, atol=1e-7, rtol=1e-5)
+
+
+def random_logits(rows, vocab, levels, seed):
+    """`levels` draws logits from a few values only: many ties, broken by the lower token id."""
+    gen = torch.Generator().manual_seed(seed)
+    if levels is None:
+        return torch.randn(rows, vocab, generator=gen) * 4
+    return torch.randint(levels, (rows, vocab), generator=gen).float()
 
 
 @settings(max_examples=60, deadline=None)
@@ -302,14 +331,8 @@ def assert_topk_matches_reference(logits, k, temperature):
     seed=st.integers(0, 2**31),
 )
 def test_topk_expand_random(rows, vocab, k_fraction, temperature, dtype, levels, seed):
-    """`levels` draws logits from a few values only: many ties, broken by the lower token id."""
-    gen = torch.Generator().manual_seed(seed)
-    if levels is None:
-        logits = torch.randn(rows, vocab, generator=gen) * 4
-    else:
-        logits = torch.randint(levels, (rows, vocab), generator=gen).float()
-    k = round(k_fraction * vocab)
-    assert_topk_matches_reference(logits.to(dtype), k, temperature)
+    logits = random_logits(rows, vocab, levels, seed)
+    assert_topk_matches_reference(logits.to(dtype), round(k_fraction * vocab), temperature)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -382,3 +405,66 @@ def test_topk_expand_kernel_errors(logits, tokens, probs, message):
         tokens, probs = tokens[:, :2], probs[:, :2]
     with pytest.raises(ValueError, match=message):
         _C.topk_expand(logits, k, 1.0, tokens, probs)
+
+
+# --- topk_expand on cuda ---
+
+
+@gpu
+@settings(max_examples=80, deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    vocab=st.integers(1, 5000),
+    k=st.integers(0, 64),
+    temperature=st.sampled_from([0.0, 0.3, 1.0, 2.5]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    levels=st.sampled_from([None, 3]),
+    seed=st.integers(0, 2**31),
+)
+def test_topk_expand_cuda_random(rows, vocab, k, temperature, dtype, levels, seed):
+    """k up to the cuda limit crosses every per-thread list size (4, 16, 64)."""
+    logits = random_logits(rows, vocab, levels, seed).to(dtype)
+    assert_topk_matches_reference(logits.cuda(), min(k, vocab), temperature)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [32000, 49152])
+def test_topk_expand_cuda_vocabulary_rows(dtype, vocab):
+    """Llama's and SmolLM2's vocabularies, a strided view, and every list size."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(64, vocab + 5, generator=gen) * 3).to(dtype).cuda()[:, :vocab]
+    for k in (1, 4, 5, 16, 17, 64):
+        assert_topk_matches_reference(logits, k, 0.7)
+
+
+@gpu
+def test_topk_expand_cuda_ties_and_masked_tokens():
+    logits = torch.tensor([[1.0, 3.0, 3.0, -math.inf, 3.0], [-math.inf, 0.0, -math.inf, 0.0, 5.0]])
+    tokens, _ = ops.topk_expand(logits.cuda(), 5, 0.0)
+    assert tokens.tolist() == [[1, 2, 4, 0, 3], [4, 1, 3, 0, 2]]
+    assert_topk_matches_reference(logits.cuda(), 5, 0.0)
+
+
+@gpu
+def test_topk_expand_cuda_errors():
+    logits = torch.zeros(2, 100, device="cuda")
+    with pytest.raises(ValueError, match=r"k = 65 is above the cuda limit of 64"):
+        ops.topk_expand(logits, 65, 1.0)
+    with pytest.raises(ValueError, match=r"logits must be float32, bfloat16 or float16 on cuda"):
+        ops.topk_expand(logits.double(), 3, 1.0)
+    tokens = torch.zeros(2, 3, dtype=torch.int64)
+    probs = torch.zeros(2, 3, device="cuda")
+    with pytest.raises(ValueError, match=r"tokens is on cpu:0 but logits is on cuda:0"):
+        _C.topk_expand(logits, 3, 1.0, tokens, probs)
+    bad = torch.zeros(3, 100, device="cuda")
+    bad[1, 7] = math.nan
+    bad[2] = -math.inf
+    with pytest.raises(ValueError, match=r"logits row 1 has no softmax"):
+        ops.topk_expand(bad, 3, 1.0)
+    bad[1, 7] = math.inf
+    with pytest.raises(ValueError, match=r"logits row 1 has no softmax"):
+        ops.topk_expand(bad, 3, 1.0)
+    bad[1, 7] = 0.0
+    with pytest.raises(ValueError, match=r"logits row 2 has no softmax"):
+        ops.topk_expand(bad, 3, 1.0)
