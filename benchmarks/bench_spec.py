@@ -51,7 +51,7 @@ def coverage(engine: Engine, prompts: list[str], tokens: int) -> dict:
     hits = {"greedy": [0, 0, 0], "stochastic": [0, 0, 0]}
     total = 0
     gen = torch.Generator().manual_seed(0)
-    ssm = engine.speculator.model
+    ssm = engine.drafter.ssms[0].model
     for out, prompt in zip(outs, prompts):
         ids = engine.tokenizer.encode(prompt) + out.token_ids
         n_prompt = len(ids) - len(out.token_ids)

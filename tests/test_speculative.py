@@ -3,14 +3,15 @@ incremental) and for sampling (chi-squared against the exact incremental distrib
 
 import json
 import math
+import shutil
 from itertools import product
 
 import pytest
 import torch
 
-from specinfer import Engine, SamplingParams
+from specinfer import Engine, SamplingParams, drafting
 from specinfer.speculator import Speculator
-from specinfer.tree import TreeConfig
+from specinfer.tree import TreeConfig, merge_trees
 
 VOCAB = 6
 PROMPT = [1, 4, 2]
@@ -41,6 +42,18 @@ def tiny_pair(tmp_path_factory):
     return _tiny_llama(root / "target", seed=0, layers=3), _tiny_llama(root / "ssm", seed=1)
 
 
+HEAD_TOKENS = [5, 2, 0, 3]  # a restricted LM head: ids in any order, two tokens left out
+
+
+@pytest.fixture(scope="module")
+def restricted_ssm(tiny_pair, tmp_path_factory):
+    """The tiny SSM with a head_tokens.json, as the training pipeline exports it."""
+    path = tmp_path_factory.mktemp("restricted") / "ssm"
+    shutil.copytree(tiny_pair[1], path)
+    (path / "head_tokens.json").write_text(json.dumps({"tokens": HEAD_TOKENS}))
+    return path
+
+
 # -- greedy: token-identical --------------------------------------------------------------------
 
 
@@ -62,6 +75,71 @@ def test_greedy_tree_equals_incremental_tiny(tiny_pair, tree, ssm_kind):
             assert outs[0].metrics["tokens_per_step"] > 2.0
 
 
+@pytest.mark.parametrize(
+    "ssm, tree",
+    [
+        (["other", "layers", "ngram"], "2,1,2"),
+        (["other", "ngram:max_n=2,depth=4,branches=2"], ["1,3,1", None]),
+        (["self", "layers"], ["1,1,1", "3,2"]),
+        (["ngram"], None),
+        (["restricted", "ngram:depth=3"], "2,2"),
+        (["layers:head"], "2,2"),
+    ],
+    ids=[
+        "other+layers+ngram",
+        "other+ngram-branches",
+        "self+layers",
+        "ngram",
+        "restricted+ngram",
+        "layers-first-ids-head",
+    ],  # fmt: skip
+)
+def test_greedy_merged_trees_equal_incremental_tiny(tiny_pair, restricted_ssm, ssm, tree):
+    target, other = tiny_pair
+    named = {"other": other, "self": target, "layers": 1, "restricted": restricted_ssm,
+             "layers:head": 2}  # fmt: skip
+    specs = [named.get(s, s) for s in ssm]
+    head = 3 if ssm == ["layers:head"] else None  # the first 3 token ids
+    prompts = [PROMPT, [3], [5, 5, 1, 0, 2, 4, 4, 5, 5, 1], [2, 3]]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    reference = Engine(target, dtype="float32").generate(prompts, params)
+    for mode in ("tree", "sequence"):
+        engine = Engine(target, dtype="float32", ssm=specs, tree=tree, mode=mode,
+                        max_batch_size=3, ssm_head=head)  # fmt: skip
+        outs = engine.generate(prompts, params)  # 4 prompts on 3 rows: a row gets reused
+        assert [o.token_ids for o in outs] == [r.token_ids for r in reference], (mode, ssm, tree)
+        per_ssm = outs[2].metrics["per_ssm"]
+        assert [s["name"] for s in per_ssm] == [d.name for d in engine.drafter.ssms]
+        assert all(s["ssm_s"] > 0 for s in per_ssm)
+        # every accepted node was proposed by some SSM; a node may count for several
+        accepted = sum(outs[2].metrics["accepted_per_depth"])
+        assert (
+            max(s["accepted"] for s in per_ssm) <= accepted <= sum(s["accepted"] for s in per_ssm)
+        )
+        if ssm[0] == "self":  # its K/V must follow the accepted paths through the merged tree
+            assert outs[0].metrics["tokens_per_step"] > 3.0
+    if head:
+        assert engine.drafter.ssms[0].head_ids.tolist() == [0, 1, 2]
+
+
+def test_restricted_head_proposes_only_its_tokens(tiny_pair, restricted_ssm):
+    engine = Engine(tiny_pair[0], dtype="float32", ssm=restricted_ssm, tree="3,3")
+    (ssm,) = engine.drafter.ssms
+    assert ssm.head_ids.tolist() == HEAD_TOKENS
+    trees, draft = [], ssm.draft
+
+    def recording_draft(*args):
+        trees.extend(draft(*args))
+        return trees[-1:]
+
+    ssm.draft = recording_draft
+    engine.generate([PROMPT], SamplingParams(max_tokens=12, ignore_eos=True))
+    assert trees and all(set(t.tokens[1:]) <= set(HEAD_TOKENS) for t in trees)
+    assert any(len(t) == 13 for t in trees)  # full 3 x 3 trees: 3 of the 4 head tokens each
+    with pytest.raises(ValueError, match="ssm_head must be an integer >= 0"):
+        Engine(tiny_pair[0], ssm=1, ssm_head=-1)
+
+
 def test_speculative_metrics_and_bad_configs(tiny_pair):
     target, other = tiny_pair
     engine = Engine(target, dtype="float32", ssm=target, tree="1,2,1")
@@ -78,6 +156,12 @@ def test_speculative_metrics_and_bad_configs(tiny_pair):
         Engine(target, ssm=3)
     with pytest.raises(FileNotFoundError, match="SSM not found"):
         Engine(target, ssm=target / "nope")
+    with pytest.raises(ValueError, match="2 tree configs for 3 SSMs"):
+        Engine(target, ssm=[1, 2, "ngram"], tree=["1,1", "2"])
+    with pytest.raises(ValueError, match="not a tree config"):
+        Engine(target, ssm=[1, "ngram"], tree=["1,1", "2"])
+    with pytest.raises(ValueError, match="bad ngram option"):
+        Engine(target, ssm="ngram:width=3")
 
 
 # -- sampling: the same distribution as incremental sampling ------------------------------------
@@ -141,7 +225,11 @@ def exact(tiny_pair):
 
 
 def _speculative_engine(tiny_pair, **kwargs):
-    return Engine(tiny_pair[0], dtype="float32", ssm=tiny_pair[1], max_batch_size=512, **kwargs)
+    kwargs = {"ssm": tiny_pair[1], **kwargs}
+    return Engine(tiny_pair[0], dtype="float32", max_batch_size=512, **kwargs)
+
+
+SAMPLED, TOP_K = TreeConfig((3, 2), sample_children=True), TreeConfig((2, 2))
 
 
 @pytest.mark.parametrize(
@@ -151,9 +239,23 @@ def _speculative_engine(tiny_pair, **kwargs):
         ("mss, sampled children", {"tree": TreeConfig((3, 2), sample_children=True)}),
         ("mss, top-k children", {"tree": TreeConfig((2, 2))}),
         ("naive sampling", {"tree": TreeConfig((2, 2)), "verifier": "naive"}),
+        # two SSMs with different distributions (one sampled, one top-k) and prompt lookup
+        (
+            "merged",
+            {
+                "ssm": ["other", 1, "ngram:max_n=2,depth=3,branches=2"],
+                "tree": [SAMPLED, TOP_K, None],
+            },
+        ),  # fmt: skip
+        ("restricted head, sampled", {"ssm": "restricted", "tree": SAMPLED}),
     ],
 )
-def test_sampling_matches_incremental_distribution(tiny_pair, exact, name, kwargs):
+def test_sampling_matches_incremental_distribution(tiny_pair, restricted_ssm, exact, name, kwargs):
+    named = {"other": tiny_pair[1], "restricted": restricted_ssm}
+    if "ssm" in kwargs:
+        ssm = kwargs["ssm"]
+        ssm = [named.get(s, s) for s in ssm] if isinstance(ssm, list) else named[ssm]
+        kwargs = {**kwargs, "ssm": ssm}
     engine = (
         Engine(tiny_pair[0], dtype="float32", max_batch_size=512)
         if not kwargs
@@ -164,26 +266,25 @@ def test_sampling_matches_incremental_distribution(tiny_pair, exact, name, kwarg
     assert p > 0.01, f"{name}: chi2 = {stat:.1f}, p = {p:.2e}"
 
 
-def _wrong_ratio_on_topk(self, tree, node, logits, width, params, generator):
+def _wrong_ratio_on_topk(self, tree, nodes, logits, width, params, generator):
     """Top-k children verified as if they were drawn from the SSM's distribution: biased."""
     from specinfer.sampling import probabilities
 
-    q = probabilities(logits, params.temperature, params.top_k, params.top_p)
-    row = tree.add_distribution(q)
-    for t in torch.topk(q, width).indices.tolist():
-        tree.propose(node, t, row)
+    for node, q in zip(nodes, probabilities(logits, params.temperature)):
+        row = tree.add_distribution(q)
+        for t in torch.topk(q, width).indices.tolist():
+            tree.propose(node, t, row)
 
 
-def _forget_multiplicity(self, tree, node, logits, width, params, generator):
+def _forget_multiplicity(self, tree, nodes, logits, width, params, generator):
     """Sampled children with duplicate draws collapsed to one proposal: biased."""
     from specinfer.sampling import probabilities
 
-    q = probabilities(logits, params.temperature, params.top_k, params.top_p)
-    row = tree.add_distribution(q)
-    for t in dict.fromkeys(
-        torch.multinomial(q, width, replacement=True, generator=generator).tolist()
-    ):
-        tree.propose(node, t, row)
+    for node, q in zip(nodes, probabilities(logits, params.temperature)):
+        row = tree.add_distribution(q)
+        draws = torch.multinomial(q, width, replacement=True, generator=generator).tolist()
+        for t in dict.fromkeys(draws):
+            tree.propose(node, t, row)
 
 
 @pytest.mark.parametrize(
@@ -197,6 +298,33 @@ def test_the_test_detects_biased_verification(tiny_pair, exact, monkeypatch, nam
     stat, p = _chi_squared_p(_sample_first3(engine, 5_000), exact, 5_000)
     print(f"\n{name}: chi2 = {stat:.1f}, p = {p:.2e}")
     assert p < 1e-3, f"{name} should be detected as biased: chi2 = {stat:.1f}, p = {p:.3f}"
+
+
+def _merge_with_swapped_distributions(trees):
+    """A merge that tests each sampled child against the *other* SSM's distribution at the same
+    parent (where that SSM drew children there too): biased."""
+    merged, maps = merge_trees(trees)
+    rows: dict[tuple[int, int], int] = {}  # (parent, source) -> q row
+    for parent, q, source in zip(merged.prop_parent, merged.prop_q, merged.prop_source):
+        if q >= 0:
+            rows[parent, source] = q
+    merged.prop_q = [
+        rows.get((parent, 1 - source), q) if q >= 0 else q
+        for parent, q, source in zip(merged.prop_parent, merged.prop_q, merged.prop_source)
+    ]
+    return merged, maps
+
+
+def test_the_test_detects_the_wrong_ssm_distribution(tiny_pair, exact, monkeypatch):
+    monkeypatch.setattr(drafting, "merge_trees", _merge_with_swapped_distributions)
+    engine = _speculative_engine(
+        tiny_pair, ssm=[tiny_pair[1], 1], tree=TreeConfig((3, 3), sample_children=True)
+    )
+    stat, p = _chi_squared_p(_sample_first3(engine, 5_000), exact, 5_000)
+    print(f"\nwrong SSM's distribution: chi2 = {stat:.1f}, p = {p:.2e}")
+    assert p < 1e-3, (
+        f"the wrong SSM's distribution should be detected: chi2 = {stat:.1f}, p = {p:.3f}"
+    )
 
 
 def test_exact_joint_is_a_distribution(exact):

@@ -16,9 +16,9 @@ import torch
 
 from specinfer import ops, verify
 from specinfer.default_model import default_model_path
+from specinfer.drafting import build_drafter
 from specinfer.loader import load_model
 from specinfer.sampling import SamplingParams, make_generator, next_token, probabilities
-from specinfer.speculator import load_speculator
 from specinfer.streaming import TextStream
 from specinfer.tokenizer import TokenizerWrapper
 from specinfer.tree import TokenTree, TreeConfig
@@ -48,14 +48,14 @@ class _Request:
         self.finish_reason: str | None = None
         self.row = -1
         self.max_len = 0  # prompt + generated tokens allowed
-        self.ssm_len = 0  # tokens in the speculator's KV cache
         # Decode steps (target forwards after prefill), time per phase, and how often a node
         # at each tree depth was accepted.
         self.metrics = {"prefill_s": 0.0, "steps": 0, "ssm_s": 0.0, "target_s": 0.0, "verify_s": 0.0,
-                        "commit_s": 0.0, "tree_nodes": 0, "accepted_per_depth": []}  # fmt: skip
+                        "commit_s": 0.0, "tree_nodes": 0, "accepted_per_depth": [], "per_ssm": []}  # fmt: skip
 
     def completion(self) -> Completion:
         m = dict(self.metrics)
+        m["per_ssm"] = [dict(s) for s in m["per_ssm"]]
         m["generated_tokens"] = len(self.output_ids)
         m["decode_s"] = m["ssm_s"] + m["target_s"] + m["verify_s"] + m["commit_s"]
         # The prefill yields the first token; each decode step yields the rest.
@@ -76,15 +76,19 @@ class Engine:
         device: str | torch.device = "cpu",
         threads: int | None = None,
         max_batch_size: int = 16,
-        ssm: str | Path | int | None = None,
-        tree: TreeConfig | str | None = None,
+        ssm: str | Path | int | list | None = None,
+        tree: TreeConfig | str | list | None = None,
         mode: str | None = None,
         verifier: str = "mss",
+        ssm_head: int | None = None,
     ):
-        """mode: "incremental" (no SSM), "sequence" (a chain as deep as the tree) or "tree"
-        (default when an SSM is given). ssm: a model path sharing the target's tokenizer, or
-        an int L / "layers:L" for the target's first L layers. verifier: "mss" (multi-step
-        speculative sampling) or "naive" (the ablation) for stochastic decoding."""
+        """mode: "incremental" (no SSM), "sequence" (chains as deep as the trees) or "tree"
+        (default when an SSM is given). ssm: a model path sharing the target's tokenizer, an
+        int L / "layers:L" for the target's first L layers, "ngram[:key=value,...]" for prompt
+        lookup, or a list of these: their trees are merged into one. tree: one config for all
+        model SSMs or a list per SSM (None at n-gram entries). ssm_head: N restricts the model
+        SSMs' LM head to N tokens (see drafting.head_token_ids; 0 = full head). verifier:
+        "mss" (multi-step speculative sampling) or "naive" (the ablation) for sampling."""
         if threads is not None:
             torch.set_num_threads(threads)
         if max_batch_size < 1:
@@ -107,14 +111,12 @@ class Engine:
         if verifier not in ("mss", "naive"):
             raise ValueError(f"verifier must be 'mss' or 'naive', got {verifier!r}")
         self.verifier = verifier
-        self.speculator = None
+        self.drafter = None
         if self.mode != "incremental":
             if ssm is None:
-                raise ValueError(f"mode {self.mode!r} needs an ssm (a model path or layers:L)")
-            tree = TreeConfig.parse(tree) if isinstance(tree, str) else tree or TreeConfig()
-            if self.mode == "sequence":
-                tree = TreeConfig((1,) * tree.depth, tree.max_nodes, tree.sample_children)
-            self.speculator = load_speculator(ssm, self.model, path, tree, self.dtype, self.device)
+                raise ValueError(f"mode {self.mode!r} needs an ssm (a model path, layers:L or ngram)")
+            self.drafter = build_drafter(ssm, tree, self.model, path, self.dtype, self.device,
+                                         ssm_head, chains=self.mode == "sequence")  # fmt: skip
         eos = self.config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self.tokenizer.eos_token_id is not None:
@@ -199,10 +201,10 @@ class Engine:
             r.max_len = min(len(r.prompt_ids) + r.params.max_tokens, context)
         rows = min(self.max_batch_size, len(requests))
         # Room for a tree after the longest sequence (and for padding of batched levels).
-        room = 2 * self.speculator.tree.num_nodes if self.speculator else 0
+        room = 2 * self.drafter.num_nodes if self.drafter else 0
         kv = self.model.make_kv_cache(rows, max(r.max_len for r in requests) + room)
-        if self.speculator:
-            self.speculator.reset(rows, max(r.max_len for r in requests) + room)
+        if self.drafter:
+            self.drafter.reset(rows, max(r.max_len for r in requests) + room)
         free_rows, waiting, active = list(range(rows)), list(requests), []
         while waiting or active:
             if waiting and free_rows:  # admit; prompts of equal length share one prefill
@@ -210,7 +212,9 @@ class Engine:
                 for length in dict.fromkeys(len(r.prompt_ids) for r in admitted):
                     group = [r for r in admitted if len(r.prompt_ids) == length]
                     for r in group:
-                        r.row, r.ssm_len = free_rows.pop(), 0
+                        r.row = free_rows.pop()
+                        if self.drafter:
+                            self.drafter.admit(r.row)
                     t0 = time.perf_counter()
                     logits = self._forward(kv, group, [r.prompt_ids for r in group])
                     for r, lg in zip(group, logits):
@@ -222,7 +226,7 @@ class Engine:
                             free_rows.append(r.row)
             if not active:
                 continue
-            if self.speculator is None:
+            if self.drafter is None:
                 t0 = time.perf_counter()
                 logits = self._forward(kv, active, [[r.output_ids[-1]] for r in active])
                 new_tokens = [
@@ -265,7 +269,7 @@ class Engine:
         # No point speculating past what the request may still generate.
         max_depths = [r.max_len - len(seq) - 1 for r, seq in zip(batch, tokens)]
         t0 = time.perf_counter()
-        trees = self.speculator.draft(batch, tokens, max_depths)
+        trees = self.drafter.draft(batch, tokens, max_depths)
         t1 = time.perf_counter()
         T = max(len(tree) for tree in trees)
         prefix = [len(seq) - 1 for seq in tokens]
@@ -289,8 +293,9 @@ class Engine:
         paths = [path for path, _ in verified]
         t3 = time.perf_counter()
         ops.kv_commit(kv.k + kv.v, rows, torch.tensor(prefix, device=dev), _pad(paths, -1, dev))
-        self.speculator.commit(batch, prefix, paths, trees, max_depths)
+        self.drafter.commit(batch, prefix, paths, max_depths)
         t4 = time.perf_counter()
+        self.drafter.record([r.metrics for r in batch], paths)
         for r, path, tree in zip(batch, paths, trees):
             m = r.metrics
             m["ssm_s"] += t1 - t0

@@ -2,8 +2,8 @@
 
 The SSM keeps its own KV cache, with the same row per request as the target's and the same slot
 layout: the root (the request's newest token) sits at slot `prefix = len(tokens) - 1` and tree node
-i at `prefix + i`. So after verification one depth-first commit of the accepted path serves both
-caches. The SSM runs one batched forward per tree depth over that depth's nodes, each seeing the
+i at `prefix + i`. So after verification the same depth-first commit (of the accepted path in the
+SSM's own node ids) serves both caches. The SSM runs one batched forward per tree depth over that depth's nodes, each seeing the
 committed prefix plus its own ancestors (the generalised tree mask covers the earlier levels).
 """
 
@@ -48,40 +48,78 @@ class Speculator:
         self.tree = tree
         self.name = name
         self.kv = None
+        self.cached: list[int] = []  # per cache row: tokens of the request in the SSM's cache
+        self.head_ids: torch.Tensor | None = None  # the LM head's vocabulary subset, if any
+        self.head_weight: torch.Tensor | None = None
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tree.num_nodes
+
+    def restrict_head(self, token_ids: list[int] | None) -> None:
+        """Compute logits only for these tokens (None: the whole vocabulary). The head's rows
+        are gathered once; on a small model the full head is most of a step's cost.
+
+        Still lossless: greedy verification accepts any proposal the target agrees with, and
+        for sampling the proposal distribution is the softmax over the subset (zero elsewhere),
+        a valid distribution the verifier is given exactly."""
+        if token_ids is None:
+            self.head_ids = self.head_weight = None
+            return
+        weight = self.model.lm_head.weight
+        self.head_ids = torch.tensor(token_ids, device=weight.device)
+        self.head_weight = weight.detach()[self.head_ids].contiguous()
 
     def reset(self, rows: int, max_seq_len: int) -> None:
         self.kv = self.model.make_kv_cache(rows, max_seq_len)
+        self.cached = [0] * rows
+
+    def admit(self, row: int) -> None:
+        """A new request takes `row`: nothing of it is cached yet."""
+        self.cached[row] = 0
 
     def draft(self, batch: list, tokens: list[list[int]], max_depths: list[int]) -> list[TokenTree]:
-        """Draft one tree per request. `batch[b]` has .row, .ssm_len (tokens in the SSM cache),
-        .params and .generator; tokens[b] is its whole sequence; max_depths[b] caps its depth."""
+        """Draft one tree per request. `batch[b]` has .row, .params and .generator; tokens[b]
+        is its whole sequence; max_depths[b] caps its depth."""
         dev = self.kv.k[0].device
-        rows = torch.tensor([r.row for r in batch], device=dev)
+        B = len(batch)
+        row_ids = [r.row for r in batch]
+        rows = torch.tensor(row_ids, device=dev)
         # Level 0: feed what the SSM has not seen yet (the root, and tokens accepted last step).
-        pending = [seq[r.ssm_len :] for r, seq in zip(batch, tokens)]
-        hidden = self._forward(rows, pending, [r.ssm_len for r in batch])
+        pending = [seq[self.cached[row] :] for row, seq in zip(row_ids, tokens)]
+        hidden = self._forward(rows, pending, [self.cached[row] for row in row_ids])
         last = torch.tensor([len(p) - 1 for p in pending], device=dev)
-        logits = self.model.compute_logits(hidden[torch.arange(len(batch), device=dev), last])
-        for r, seq in zip(batch, tokens):
-            r.ssm_len = len(seq)
+        logits = list(self._logits(hidden[torch.arange(B, device=dev), last]).split(1))
+        for row, seq in zip(row_ids, tokens):
+            self.cached[row] = len(seq)
         trees = [TokenTree(seq[-1]) for seq in tokens]
-        frontier = [[0] for _ in batch]
-        node_logits = [[logits[b]] for b in range(len(batch))]
+        roots = torch.tensor([len(seq) - 1 for seq in tokens], device=dev)
+        # ancestors[b, i, j]: node j is node i or one of its ancestors (node 0, the root, always)
+        size = 2 * self.tree.num_nodes  # node ids, padding of the widest level included
+        ancestors = torch.zeros(B, size, size, dtype=torch.bool)
+        ancestors[:, :, 0] = True
+        frontier = [range(1) for _ in batch]  # node ids of each tree's newest level
         for depth, width in enumerate(self.tree.widths, start=1):
-            live = [b for b in range(len(batch)) if depth <= max_depths[b]]
+            live = [b for b in range(B) if depth <= max_depths[b]]
             if not live:
                 break
             for b in live:
-                for node, lg in zip(frontier[b], node_logits[b]):
-                    self._expand(trees[b], node, lg, width, batch[b].params, batch[b].generator)
-                frontier[b] = trees[b].nodes_at(depth)
+                r, tree, start = batch[b], trees[b], len(trees[b])
+                self._expand(tree, list(frontier[b]), logits[b], width, r.params, r.generator)
+                frontier[b] = range(start, len(tree))
+            self._add_level(ancestors, trees, frontier, live)
             live = [b for b in live if depth < max_depths[b]]  # leaves need no SSM step
             if not live:
                 break
-            hidden = self._forward_level(rows[live], [trees[b] for b in live], [frontier[b] for b in live],
-                                         [len(tokens[b]) - 1 for b in live])  # fmt: skip
-            for i, b in enumerate(live):
-                node_logits[b] = list(self.model.compute_logits(hidden[i, : len(frontier[b])]))
+            hidden = self._forward_level(rows[live], [trees[b] for b in live], ancestors[live],
+                                         [frontier[b] for b in live], roots[live], depth)  # fmt: skip
+            sizes = [len(frontier[b]) for b in live]
+            picked = hidden[
+                torch.tensor([i for i, n in enumerate(sizes) for _ in range(n)], device=dev),
+                torch.tensor([t for n in sizes for t in range(n)], device=dev),
+            ]
+            for b, lg in zip(live, self._logits(picked).split(sizes)):
+                logits[b] = lg
         return trees
 
     def commit(self, batch: list, prefix: list[int], paths: list[list[int]], trees: list[TokenTree],
@@ -93,59 +131,83 @@ class Speculator:
         ops.kv_commit(self.kv.k + self.kv.v, torch.tensor([r.row for r in batch], device=dev),
                       torch.tensor(prefix, device=dev), _pad(kept, -1, dev))  # fmt: skip
         for r, p, k in zip(batch, prefix, kept):
-            r.ssm_len = p + len(k)
+            self.cached[r.row] = p + len(k)
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _expand(self, tree: TokenTree, node: int, logits: torch.Tensor, width: int,
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the head's vocabulary (all tokens, or the restricted subset)."""
+        if self.head_weight is None:
+            return self.model.compute_logits(hidden)
+        return ops.linear(hidden, self.head_weight).float()
+
+    def _expand(self, tree: TokenTree, nodes: list[int], logits: torch.Tensor, width: int,
                 params: SamplingParams, generator: torch.Generator) -> None:  # fmt: skip
+        """Give each of `nodes` its children; logits[i] is the SSM's prediction after nodes[i]."""
         if params.greedy or not self.tree.sample_children:
             # Deterministic top-k: each child is a point-mass proposal.
             k = min(width, logits.shape[-1])
-            tokens, _ = ops.topk_expand(logits[None], k, params.temperature)
-            for t in tokens[0].tolist():
-                tree.propose(node, t)
+            tokens, _ = ops.topk_expand(logits, k, params.temperature)
+            for node, row in zip(nodes, self._vocab_ids(tokens).tolist()):
+                for t in row:
+                    tree.propose(node, t)
             return
         q = probabilities(logits, params.temperature, params.top_k, params.top_p)
-        row = tree.add_distribution(q)
-        for t in torch.multinomial(q, width, replacement=True, generator=generator).tolist():
-            tree.propose(node, t, row)
+        draws = self._vocab_ids(torch.multinomial(q, width, replacement=True, generator=generator))
+        for node, q_node, row in zip(nodes, self._full_vocab(q), draws.tolist()):
+            q_row = tree.add_distribution(q_node)
+            for t in row:
+                tree.propose(node, t, q_row)
+
+    def _vocab_ids(self, head_indices: torch.Tensor) -> torch.Tensor:
+        return head_indices if self.head_ids is None else self.head_ids[head_indices]
+
+    def _full_vocab(self, q: torch.Tensor) -> torch.Tensor:
+        """Distributions over the head's subset, as distributions over the whole vocabulary."""
+        if self.head_ids is None:
+            return q
+        full = q.new_zeros(q.shape[0], self.model.config.vocab_size)
+        return full.index_copy_(1, self.head_ids, q)
+
+    @staticmethod
+    def _add_level(ancestors: torch.Tensor, trees: list[TokenTree], frontier: list[range],
+                   live: list[int]) -> None:  # fmt: skip
+        """A new node's ancestors are its parent's, plus itself."""
+        b = torch.tensor([b for b in live for _ in frontier[b]], dtype=torch.long)
+        nodes = torch.tensor([n for b in live for n in frontier[b]], dtype=torch.long)
+        parents = torch.tensor([trees[b].parents[n] for b in live for n in frontier[b]])
+        ancestors[b, nodes] = ancestors[b, parents]
+        ancestors[b, nodes, nodes] = True
 
     def _forward(self, rows, chains: list[list[int]], prefix: list[int]) -> torch.Tensor:
         """Run right-padded token chains (causal) after each request's prefix."""
         dev = rows.device
         T = max(len(c) for c in chains)
         ids = _pad(chains, 0, dev)
-        valid = ids.new_tensor([[t < len(c) for t in range(T)] for c in chains], dtype=torch.bool)
-        mask = (
-            torch.ones(T, T, dtype=torch.bool, device=dev).tril()
-            & valid[:, None, :]
-            & valid[:, :, None]
-        )
+        steps = torch.arange(T, device=dev)
+        valid = steps < torch.tensor([len(c) for c in chains], device=dev)[:, None]
+        mask = (steps[None, :] <= steps[:, None]) & valid[:, None, :] & valid[:, :, None]
         prefix_t = torch.tensor(prefix, device=dev)
-        positions = prefix_t[:, None] + torch.arange(T, device=dev)
+        positions = prefix_t[:, None] + steps
         return self.model(ids, positions, self.kv, rows, prefix_t, mask)
 
-    def _forward_level(
-        self, rows, trees: list[TokenTree], levels: list[list[int]], roots: list[int]
-    ) -> torch.Tensor:
-        """Run one depth's nodes; node i of a tree lives at slot root_slot + i."""
+    def _forward_level(self, rows, trees: list[TokenTree], ancestors: torch.Tensor,
+                       levels: list[range], roots: torch.Tensor, depth: int) -> torch.Tensor:  # fmt: skip
+        """Run one depth's nodes (numbered consecutively); node i of a tree lives at slot
+        root + i. The mask's M columns end at the level's last slot; node ids <= 0 there are
+        the root or committed tokens, visible to all."""
         dev = rows.device
         T = max(len(lv) for lv in levels)
-        firsts = [lv[0] for lv in levels]  # a level's nodes are numbered consecutively
-        M = max(firsts) - 1 + T  # mask columns: earlier non-root nodes + this level
-        mask = torch.zeros(len(trees), T, M, dtype=torch.bool)
-        for b, (tree, lv, first) in enumerate(zip(trees, levels, firsts)):
-            # column j is slot prefix + T - M + j, i.e. node first + T - M + j; <= 0 is committed
-            cols = [first + T - M + j for j in range(M)]
-            mask[b, :, [j for j, c in enumerate(cols) if c <= 0]] = True
-            real = [j for j, c in enumerate(cols) if 0 < c < len(tree)]
-            mask[b, : len(lv), real] = tree.ancestor_mask(lv, [cols[j] for j in real])
+        firsts = torch.tensor([lv.start for lv in levels])
+        M = int(firsts.max()) - 1 + T
+        node = firsts[:, None] + torch.arange(T)  # padding rows see the committed prefix only
+        column = (firsts[:, None] + T - M + torch.arange(M)).clamp(min=0)
+        b = torch.arange(len(levels))[:, None, None]
+        mask = ancestors[b, node[:, :, None], column[:, None, :]]
         ids = _pad([[tree.tokens[n] for n in lv] for tree, lv in zip(trees, levels)], 0, dev)
-        depth = trees[0].depths[levels[0][0]]
-        prefix = torch.tensor([root + first for root, first in zip(roots, firsts)], device=dev)
-        positions = torch.tensor(roots, device=dev)[:, None].expand(-1, T) + depth
-        return self.model(ids, positions, self.kv, rows, prefix, mask.to(dev))
+        prefix = roots + firsts.to(dev)
+        return self.model(ids, roots[:, None].expand(-1, T) + depth, self.kv, rows, prefix,
+                          mask.to(dev))  # fmt: skip
 
 
 def load_speculator(

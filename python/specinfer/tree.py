@@ -7,6 +7,10 @@ what the depth-first KV commit relies on. Each node's token sequence is the path
 A node's children come from *proposals*: one per draw. A sampled child records the row of the
 distribution it was drawn from (`q_rows`); a deterministic top-k child is a point mass (-1). Two
 draws of the same token are one node but two proposals: the verifier must see both.
+
+Several SSMs' trees merge into one (`merge_trees`, the paper's Definition 3.2): every token
+sequence of every tree appears once, and each proposal keeps its SSM (`prop_source`) and the
+distribution that SSM drew it from, so the verifier tests each draw against its own distribution.
 """
 
 from __future__ import annotations
@@ -73,12 +77,13 @@ class TokenTree:
         self.prop_parent: list[int] = []
         self.prop_child: list[int] = []
         self.prop_q: list[int] = []
+        self.prop_source: list[int] = []  # which SSM made each proposal (index in a merge)
         self.q_rows: list[torch.Tensor] = []  # distributions sampled children were drawn from
 
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def propose(self, parent: int, token: int, q_row: int = -1) -> int:
+    def propose(self, parent: int, token: int, q_row: int = -1, source: int = 0) -> int:
         """Record one proposal of `token` under `parent`; returns the (possibly existing) node."""
         node = self.children[parent].get(token)
         if node is None:
@@ -91,11 +96,22 @@ class TokenTree:
         self.prop_parent.append(parent)
         self.prop_child.append(node)
         self.prop_q.append(q_row)
+        self.prop_source.append(source)
         return node
+
+    def propose_once(self, parent: int, token: int) -> int:
+        """A point-mass proposal of `token` unless `parent` already has that child (a second
+        point mass at the same token could never be accepted: the first rejection zeroes it)."""
+        node = self.children[parent].get(token)
+        return self.propose(parent, token) if node is None else node
 
     def add_distribution(self, q: torch.Tensor) -> int:
         self.q_rows.append(q)
         return len(self.q_rows) - 1
+
+    def sources(self, node: int) -> set[int]:
+        """The SSMs that proposed `node` (the root: none)."""
+        return {s for c, s in zip(self.prop_child, self.prop_source) if c == node}
 
     def nodes_at(self, depth: int) -> list[int]:
         return [i for i, d in enumerate(self.depths) if d == depth]
@@ -118,3 +134,40 @@ class TokenTree:
 
     def path_tokens(self, path: list[int]) -> list[int]:
         return [self.tokens[n] for n in path]
+
+
+def merge_trees(trees: list[TokenTree]) -> tuple[TokenTree, list[list[int]]]:
+    """Merge trees with the same root (one per SSM) into one: every token sequence of every tree
+    is one node of the result, numbered level by level (parents before children). Every proposal
+    is kept, duplicates across SSMs included (each is a separate draw), with its SSM as source
+    and its distribution appended to the merged q_rows. Returns the merged tree and, per input
+    tree, the merged node id of each of its nodes."""
+    if not trees:
+        raise ValueError("merge_trees needs at least one tree")
+    root = trees[0].tokens[0]
+    if any(t.tokens[0] != root for t in trees):
+        raise ValueError(
+            f"trees to merge must share the root token, got {[t.tokens[0] for t in trees]}"
+        )
+    merged = TokenTree(root)
+    maps = [[0] * len(t) for t in trees]
+    q_offsets = []
+    for tree in trees:
+        q_offsets.append(len(merged.q_rows))
+        merged.q_rows.extend(tree.q_rows)
+    by_depth: dict[int, list[tuple[int, int]]] = {}  # depth -> (tree, proposal)
+    for i, tree in enumerate(trees):
+        for p, child in enumerate(tree.prop_child):
+            by_depth.setdefault(tree.depths[child], []).append((i, p))
+    for depth in sorted(by_depth):
+        for i, p in by_depth[depth]:
+            tree = trees[i]
+            q = tree.prop_q[p]
+            child = tree.prop_child[p]
+            maps[i][child] = merged.propose(
+                maps[i][tree.prop_parent[p]],
+                tree.tokens[child],
+                q + q_offsets[i] if q >= 0 else -1,
+                i,
+            )
+    return merged, maps

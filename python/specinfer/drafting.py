@@ -1,0 +1,159 @@
+"""Drafting with several SSMs: each drafts its own tree, the trees merge into one per request.
+
+An SSM here is anything with the Speculator's interface (a neural `Speculator`, the
+`NgramDrafter`): num_nodes, reset, admit, draft, commit. Each keeps its own per-request state
+(KV cache, cached length, n-gram index), so after verification each is told the accepted path in
+its own node ids: the longest prefix of the path that is in its tree. Accepted tokens an SSM did
+not propose reach it at its next draft (it feeds everything past what it has cached).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from torch import nn
+
+from specinfer.ngram import NgramConfig, NgramDrafter
+from specinfer.speculator import load_speculator
+from specinfer.tree import TokenTree, TreeConfig, merge_trees
+
+DEFAULT_HEAD = 8192  # tokens of head_tokens.json used when ssm_head is not given
+
+
+class Drafter:
+    def __init__(self, ssms: list):
+        self.ssms = ssms
+        self._trees: list[list[TokenTree]] = []  # per SSM, per request: the last drafts
+        self._maps: list[list[list[int]]] = []  # per request, per SSM: its node -> merged node
+        self.last_times: list[float] = []  # seconds each SSM took in the last draft
+
+    @property
+    def num_nodes(self) -> int:
+        """The largest merged tree (the roots coincide)."""
+        return 1 + sum(s.num_nodes - 1 for s in self.ssms)
+
+    def reset(self, rows: int, max_seq_len: int) -> None:
+        for s in self.ssms:
+            s.reset(rows, max_seq_len)
+
+    def admit(self, row: int) -> None:
+        for s in self.ssms:
+            s.admit(row)
+
+    def draft(self, batch: list, tokens: list[list[int]], max_depths: list[int]) -> list[TokenTree]:
+        self._trees, self.last_times = [], []
+        for s in self.ssms:
+            t0 = time.perf_counter()
+            self._trees.append(s.draft(batch, tokens, max_depths))
+            self.last_times.append(time.perf_counter() - t0)
+        if len(self.ssms) == 1:
+            self._maps = [[list(range(len(t)))] for t in self._trees[0]]
+            return self._trees[0]
+        merged = [merge_trees(list(per_request)) for per_request in zip(*self._trees)]
+        self._maps = [maps for _, maps in merged]
+        return [tree for tree, _ in merged]
+
+    def commit(self, batch: list, prefix: list[int], paths: list[list[int]],
+               max_depths: list[int]) -> None:  # fmt: skip
+        """Tell each SSM the accepted paths (merged node ids) of the last draft."""
+        for i, s in enumerate(self.ssms):
+            own = [_own_path(path, maps[i]) for path, maps in zip(paths, self._maps)]
+            s.commit(batch, prefix, own, self._trees[i], max_depths)
+
+    def record(self, metrics: list[dict], paths: list[list[int]]) -> None:
+        """Add the last step to each request's per-SSM metrics: the SSM's drafting time (of the
+        whole batch, like ssm_s) and how many accepted nodes (root excluded) it proposed."""
+        for m, path, maps in zip(metrics, paths, self._maps):
+            if not m["per_ssm"]:
+                m["per_ssm"] = [{"name": s.name, "ssm_s": 0.0, "accepted": 0} for s in self.ssms]
+            for stats, seconds, merged_of in zip(m["per_ssm"], self.last_times, maps):
+                stats["ssm_s"] += seconds
+                stats["accepted"] += len(_own_path(path, merged_of)) - 1
+
+
+def _own_path(path: list[int], merged_of: list[int]) -> list[int]:
+    """The longest prefix of a merged-tree path that lies in one SSM's tree, in its node ids."""
+    own_of = {m: own for own, m in enumerate(merged_of)}
+    own = []
+    for node in path:
+        if node not in own_of:
+            break
+        own.append(own_of[node])
+    return own
+
+
+def build_drafter(specs, trees, target: nn.Module, target_path: Path, dtype, device,
+                  head: int | None, chains: bool) -> Drafter:  # fmt: skip
+    """SSMs from specs (a model path, int L / "layers:L", or an n-gram spec "ngram[:k=v,...]"),
+    each with its tree config (`trees`: one for all, or a list per SSM; None at n-gram entries).
+    `head`: the neural SSMs' LM head vocabulary (see `head_token_ids`). `chains`: sequence mode,
+    every SSM drafts a chain."""
+    specs = list(specs) if isinstance(specs, list | tuple) else [specs]
+    if not specs:
+        raise ValueError("ssm list is empty")
+    if isinstance(trees, list | tuple):
+        if len(trees) != len(specs):
+            raise ValueError(f"got {len(trees)} tree configs for {len(specs)} SSMs")
+    else:
+        trees = [trees if not _is_ngram(s) else None for s in specs]
+    ssms = []
+    for spec, tree in zip(specs, trees):
+        if _is_ngram(spec):
+            if tree is not None:
+                raise ValueError(
+                    f"{spec!r} takes its shape from its spec (e.g. ngram:depth=5,branches=2), "
+                    "not a tree config: give None at its place in the tree list"
+                )
+            config = NgramConfig.parse(spec)
+            if chains:
+                config = NgramConfig(config.max_n, config.min_n, config.depth, 1)
+            ssms.append(NgramDrafter(config, name=spec))
+            continue
+        tree = TreeConfig.parse(tree) if isinstance(tree, str) else tree or TreeConfig()
+        if chains:
+            tree = TreeConfig((1,) * tree.depth, tree.max_nodes, tree.sample_children)
+        ssm = load_speculator(spec, target, target_path, tree, dtype, device)
+        ssm.restrict_head(head_token_ids(spec, head, target.config.vocab_size))
+        ssms.append(ssm)
+    return Drafter(ssms)
+
+
+def head_token_ids(spec, n: int | None, vocab_size: int) -> list[int] | None:
+    """The restricted LM head of an SSM, None for the full one.
+
+    An SSM directory with head_tokens.json ({"tokens": ids by descending frequency}) gives its
+    first n tokens (n defaults to DEFAULT_HEAD; 0 means the full head). Without the file, n means
+    the first n token ids: byte-level BPE vocabularies number tokens roughly in merge order, i.e.
+    by frequency, so that is a fair guess for a layer-selected SSM; None or 0 mean the full head.
+    """
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+        raise ValueError(f"ssm_head must be an integer >= 0 (0 = the full head), got {n!r}")
+    if n == 0:
+        return None
+    file = Path(spec) / "head_tokens.json" if isinstance(spec, str | Path) else None
+    if file is not None and file.is_file():
+        return _read_head_tokens(file, vocab_size)[: n or DEFAULT_HEAD]
+    if n is None or n >= vocab_size:
+        return None
+    return list(range(n))
+
+
+def _read_head_tokens(file: Path, vocab_size: int) -> list[int]:
+    try:
+        tokens = json.loads(file.read_text())["tokens"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f'{file}: expected {{"tokens": [token ids]}} ({e})') from None
+    if not isinstance(tokens, list) or not tokens:
+        raise ValueError(f"{file}: 'tokens' must be a non-empty list of token ids")
+    bad = [t for t in tokens if not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{file}: token ids out of range [0, {vocab_size}): {bad[:5]}")
+    if len(set(tokens)) != len(tokens):
+        raise ValueError(f"{file}: token ids repeat")
+    return tokens
+
+
+def _is_ngram(spec) -> bool:
+    return isinstance(spec, str) and (spec == "ngram" or spec.startswith("ngram:"))
