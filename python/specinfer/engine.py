@@ -114,7 +114,9 @@ class Engine:
         self.drafter = None
         if self.mode != "incremental":
             if ssm is None:
-                raise ValueError(f"mode {self.mode!r} needs an ssm (a model path, layers:L or ngram)")
+                raise ValueError(
+                    f"mode {self.mode!r} needs an ssm (a model path, layers:L or ngram)"
+                )
             self.drafter = build_drafter(ssm, tree, self.model, path, self.dtype, self.device,
                                          ssm_head, chains=self.mode == "sequence")  # fmt: skip
         eos = self.config.eos_token_id
