@@ -24,8 +24,17 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--threads", type=int, default=None)
     gen.add_argument(
         "--ssm",
+        action="append",
         default=None,
-        help="speculative model: a model path, or layers:L (the target's first L layers)",
+        help="speculative model: a model path, layers:L (the target's first L layers), or ngram"
+        "[:max_n=3,min_n=1,depth=5,branches=1] (prompt lookup); repeat it to merge their trees",
+    )
+    gen.add_argument(
+        "--ssm-head",
+        type=int,
+        default=None,
+        help="SSM LM head over N tokens (its head_tokens.json, else the first N ids; 0 = full; "
+        "default: up to 8192 of head_tokens.json if present, else full)",
     )
     gen.add_argument(
         "--tree",
@@ -65,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             ssm=args.ssm,
             tree=args.tree,
             mode=args.mode,
+            ssm_head=args.ssm_head,
         )
         use_chat = args.chat if args.chat is not None else bool(engine.tokenizer.chat_template)
         prompt = [{"role": "user", "content": args.prompt}] if use_chat else args.prompt
