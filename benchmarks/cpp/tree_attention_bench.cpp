@@ -24,14 +24,8 @@ void BM_TreeAttention(benchmark::State& state) {
   for (int64_t b = 0; b < batch; ++b) {
     rows.data[b] = b;
     prefix_lens.data[b] = prefix;
-    // A binary-ish tree: node i's parent is (i - 1) / 2; mask = ancestors and self.
-    for (int64_t i = 0; i < tokens; ++i) {
-      for (int64_t j = i; j >= 0; j = j ? (j - 1) / 2 : -1) {
-        mask.data[(b * tokens + i) * tokens + j] = 1;
-        if (j == 0) break;
-      }
-    }
   }
+  fill_tree_mask(mask.data.data(), batch, tokens);
   TreeAttentionArgs args{q.view,           k.view,    v.view,   rows.view,
                          prefix_lens.view, mask.view, out.view, 0.125f};
   for (auto _ : state) {
@@ -45,10 +39,10 @@ void BM_TreeAttention(benchmark::State& state) {
 
 void Shapes(benchmark::internal::Benchmark* b) {
   b->ArgNames({"hq", "hkv", "d", "prefix", "tree", "batch"});
-  for (auto [hq, hkv, d] : {std::tuple{9, 3, 64}, std::tuple{32, 32, 128}}) {
+  for (const HeadConfig& h : kHeadConfigs) {
     for (int prefix : {128, 512, 2048}) {
       for (int tree : {1, 8, 64}) {
-        for (int batch : {1, 8}) b->Args({hq, hkv, d, prefix, tree, batch});
+        for (int batch : {1, 8}) b->Args({h.q_heads, h.kv_heads, h.head_dim, prefix, tree, batch});
       }
     }
   }
