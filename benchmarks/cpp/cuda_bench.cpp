@@ -63,15 +63,18 @@ class DeviceTensor {
             "cudaMemcpy");
   }
 
-  // Normal noise, one random block tiled over the tensor (filling GBs on the host is slow).
+  // Normal noise: one random block from the host, then doubled on the device (filling GBs from
+  // the host would take longer than the benchmark).
   template <typename T>
   void fill_random(uint32_t seed) {
     const int64_t n = int64_t(bytes_ / sizeof(T)), block = std::min<int64_t>(n, 1 << 20);
     std::vector<T> host(block);
     bench::fill_random(host.data(), block, seed);
-    for (int64_t i = 0; i < n; i += block) {
-      cuda_ok(cudaMemcpy(static_cast<T*>(data_) + i, host.data(),
-                         std::min(block, n - i) * sizeof(T), cudaMemcpyHostToDevice),
+    T* data = static_cast<T*>(data_);
+    cuda_ok(cudaMemcpy(data, host.data(), block * sizeof(T), cudaMemcpyHostToDevice), "cudaMemcpy");
+    for (int64_t filled = block; filled < n; filled *= 2) {
+      cuda_ok(cudaMemcpy(data + filled, data, std::min(filled, n - filled) * sizeof(T),
+                         cudaMemcpyDeviceToDevice),
               "cudaMemcpy");
     }
   }
@@ -106,7 +109,7 @@ void time_with_events(benchmark::State& state, double bytes, Op op) {
 }
 
 void Timed(benchmark::internal::Benchmark* b) {
-  b->Unit(benchmark::kMicrosecond)->UseManualTime()->MinTime(0.1);
+  b->Unit(benchmark::kMicrosecond)->UseManualTime()->MinTime(0.05);
 }
 
 // Args: q_heads, kv_heads, head_dim, prefix, tree nodes, batch. bfloat16.
