@@ -1,9 +1,12 @@
-"""Command line: `specinfer generate "prompt"` streams a completion."""
+"""Command line: `specinfer generate "prompt"` streams a completion; `specinfer train-ssm`
+distils an SSM."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+from specinfer.training import command as training_command
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,7 +57,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="wrap the prompt in the model's chat template (default: if it has one)",
     )
+    train = sub.add_parser(
+        "train-ssm", help="distil a small speculative model (SSM) from the target's layers"
+    )
+    training_command.add_arguments(train)
     args = parser.parse_args(argv)
+    if args.command == "train-ssm":
+        return training_command.run(args)
 
     from specinfer import Engine, SamplingParams  # after parsing: --help stays instant
 

@@ -37,14 +37,19 @@ GGUF_TYPES = (
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    shared_embeddings_from: nn.Module | None = None,
 ) -> nn.Module:
-    """A ready-to-run model (in eval mode, `model.config` set) from a directory or .gguf file."""
+    """A ready-to-run model (in eval mode, `model.config` set) from a directory or .gguf file.
+    `shared_embeddings_from`: the target whose embedding and LM head tensors a compact SSM
+    export (config.json "specinfer": {"shared_embeddings": true}) uses, without a copy."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
     if path.is_dir():
-        return _load_hf_dir(path, dtype, device)
+        return _load_hf_dir(path, dtype, device, shared_embeddings_from)
     if path.suffix == ".gguf":
         return _load_gguf(path, dtype, device)
     raise ValueError(f"{path} is neither a model directory nor a .gguf file")
@@ -56,11 +61,12 @@ def _build(config: ModelConfig, dtype: torch.dtype, device) -> nn.Module:
     return model.to(dtype).eval()
 
 
-def _load_hf_dir(path: Path, dtype, device) -> nn.Module:
+def _load_hf_dir(path: Path, dtype, device, shared_embeddings_from=None) -> nn.Module:
     config_file = path / "config.json"
     if not config_file.exists():
         raise FileNotFoundError(f"no config.json in model directory {path}")
-    config = ModelConfig.from_hf_config(json.loads(config_file.read_text()))
+    hf_config = json.loads(config_file.read_text())
+    config = ModelConfig.from_hf_config(hf_config)
     index = path / "model.safetensors.index.json"
     if index.exists():
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -91,8 +97,29 @@ def _load_hf_dir(path: Path, dtype, device) -> nn.Module:
                     yield hf_name, st.get_tensor(name)
 
     model = _build(config, dtype, device)
-    load_weights(model, tensors(), total, desc=f"loading {path.name}")
+    shared = set()
+    if hf_config.get("specinfer", {}).get("shared_embeddings"):
+        shared = _share_embeddings(model, shared_embeddings_from, path)
+    load_weights(model, tensors(), total, desc=f"loading {path.name}", preloaded=shared)
     return model
+
+
+def _share_embeddings(model: nn.Module, target: nn.Module | None, path: Path) -> set[str]:
+    """Point a compact SSM's embedding and LM head at its target's tensors."""
+    if target is None:
+        raise ValueError(
+            f"{path} is a compact SSM without embeddings of its own; load it as the SSM of its "
+            f"target (Engine(target, ssm=...), --ssm {path})"
+        )
+    want, have = model.config, target.config
+    if (want.vocab_size, want.hidden_size) != (have.vocab_size, have.hidden_size):
+        raise ValueError(
+            f"{path} needs a target with vocabulary size {want.vocab_size} and hidden size "
+            f"{want.hidden_size}; this target has {have.vocab_size} and {have.hidden_size}"
+        )
+    model.model.embed_tokens.weight = target.model.embed_tokens.weight
+    model.lm_head.weight = target.lm_head.weight
+    return {"model.embed_tokens.weight", "lm_head.weight"}
 
 
 @functools.lru_cache(maxsize=2)
@@ -173,10 +200,14 @@ def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def load_weights(
-    model: nn.Module, named_tensors: Iterator[tuple[str, torch.Tensor]], total: int, desc: str
+    model: nn.Module,
+    named_tensors: Iterator[tuple[str, torch.Tensor]],
+    total: int,
+    desc: str,
+    preloaded: set[str] = frozenset(),
 ) -> None:
     """Hand each checkpoint tensor (HF name) to its parameter's weight_loader, then check that
-    every parameter (every shard of a fused one) was loaded."""
+    every parameter (every shard of a fused one) but those `preloaded` was loaded."""
     params = dict(model.named_parameters())
     loaded = defaultdict(set)
     for name, tensor in tqdm(named_tensors, total=total, desc=desc, unit="tensor"):
@@ -196,7 +227,7 @@ def load_weights(
     missing = []
     for name, p in params.items():
         expected = getattr(p, "shard_ids", {None})
-        if loaded[name] != expected:
+        if loaded[name] != expected and name not in preloaded:
             shards = sorted(map(str, expected - loaded[name]))
             missing.append(f"{name} {shards}" if len(expected) > 1 else name)
     if missing:

@@ -224,7 +224,8 @@ def load_speculator(
         raise FileNotFoundError(
             f"SSM not found: {path} (a model path, or layers:L for a layer-selected SSM)"
         )
-    model = load_model(path, dtype=dtype, device=device)
+    # A compact export (no embeddings of its own) shares the target's embedding and LM head.
+    model = load_model(path, dtype=dtype, device=device, shared_embeddings_from=target)
     if model.config.vocab_size != target.config.vocab_size:
         raise ValueError(
             f"SSM {path.name} has vocabulary size {model.config.vocab_size}, the target "

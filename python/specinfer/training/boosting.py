@@ -1,0 +1,82 @@
+"""Adaptive boosting of SSMs (SpecInfer, section 3) and independent training to compare with.
+
+Boosting: SSM_1 learns all prompts; the prompts it covers (its greedy output matches the
+target's, by `match_rule`) are removed; SSM_2 learns the rest; and so on. Independent: the same
+number of SSMs, each on a random equal share of the prompts (or each on all, with its own seed).
+Coverage: the fraction of prompts some SSM of the set covers, on the training prompts and on
+held-out ones (what a merged tree of the set can hope to accept whole).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specinfer.training.evaluate import agreement_vectors, match_rule, topk_agreement
+from specinfer.training.recipe import SSMRecipe
+
+
+def boost(recipe: SSMRecipe, examples: list[dict], held_out: list[dict], n: int, rule: str,
+          out: Path) -> dict:  # fmt: skip
+    """Train up to n SSMs (fewer if every prompt gets covered): <out>/ssm (n = 1) or
+    <out>/ssm_1 .. ssm_n. Returns the report: per stage, what it trained on and what it covers."""
+    match = match_rule(rule)
+    remaining = list(range(len(examples)))
+    held_covered = [False] * len(held_out)
+    stages = []
+    for i in range(1, n + 1):
+        if not remaining:
+            break
+        name = "ssm" if n == 1 else f"ssm_{i}"
+        checkpoint = out / ("checkpoint.pt" if n == 1 else f"checkpoint_{name}.pt")
+        train = [examples[j] for j in remaining]
+        ssm = recipe.train(train, out / name, checkpoint)
+        matched = covers(ssm, train, match)
+        remaining = [j for j, m in zip(remaining, matched) if not m]
+        stage = {"ssm": name, "trained_on": len(train), "covered": sum(matched),
+                 "coverage": 1 - len(remaining) / len(examples)}  # fmt: skip
+        if held_out:
+            held_covered = [a or b for a, b in zip(held_covered, covers(ssm, held_out, match))]
+            stage["held_out_coverage"] = sum(held_covered) / len(held_out)
+            stage["held_out_agreement"] = agreement(ssm, held_out)
+        stages.append(stage)
+    return {"rule": rule, "ssms": stages}
+
+
+def independent(recipe: SSMRecipe, examples: list[dict], held_out: list[dict], n: int, rule: str,
+                mode: str, out: Path) -> dict:  # fmt: skip
+    """n SSMs <out>/independent_1..n, each on a random 1/n of the prompts ("split") or on all
+    of them with seed i ("seeds"); returns the coverage of the set."""
+    if mode not in ("split", "seeds"):
+        raise ValueError(f"independent training mode must be 'split' or 'seeds', got {mode!r}")
+    match = match_rule(rule)
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(0)).tolist()
+    covered, held_covered, ssms = [False] * len(examples), [False] * len(held_out), []
+    for i in range(1, n + 1):
+        part = examples if mode == "seeds" else [examples[j] for j in order[i - 1 :: n]]
+        name = f"independent_{i}"
+        ssm = recipe.train(part, out / name, out / f"checkpoint_{name}.pt", seed=i)
+        covered = [a or b for a, b in zip(covered, covers(ssm, examples, match))]
+        entry = {"ssm": name, "trained_on": len(part), "coverage": sum(covered) / len(examples)}
+        if held_out:
+            held_covered = [a or b for a, b in zip(held_covered, covers(ssm, held_out, match))]
+            entry["held_out_coverage"] = sum(held_covered) / len(held_out)
+            entry["held_out_agreement"] = agreement(ssm, held_out)
+        ssms.append(entry)
+    return {"rule": rule, "mode": mode, "ssms": ssms}
+
+
+def covers(ssm: nn.Module, examples: list[dict], match) -> list[bool]:
+    return [match(a) for a in agreement_vectors(ssm, sequences(examples))]
+
+
+def agreement(ssm: nn.Module, examples: list[dict]) -> dict[str, float]:
+    """Top-1/3/5 agreement with the target's top token (stored with the teacher data)."""
+    wanted = ({"greedy": e["topk_ids"][:, 0]} for e in examples)
+    return topk_agreement(ssm, sequences(examples), wanted)["greedy"]
+
+
+def sequences(examples: list[dict]) -> list[tuple[list[int], list[int]]]:
+    return [(e["prompt"], e["completion"]) for e in examples]

@@ -1,0 +1,119 @@
+"""`specinfer train-ssm` end to end: prompts -> teacher data -> SSM(s) -> export -> report.
+
+<out>/teacher/, <out>/teacher_held_out/   the target's completions and top-K logits (shards)
+<out>/checkpoint*.pt                      training state, while an SSM is being trained
+<out>/ssm (or ssm_1..n, independent_1..n) exported SSMs (HF directories)
+<out>/report.json                         agreement before/after training, boosting coverage
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+from pathlib import Path
+
+import torch
+
+from specinfer.training.boosting import agreement, boost, independent
+from specinfer.training.data import load_prompts, prompt_ids
+from specinfer.training.distill import TrainSettings
+from specinfer.training.evaluate import match_rule
+from specinfer.training.export import head_tokens
+from specinfer.training.recipe import SSMRecipe
+from specinfer.training.student import parse_layers
+from specinfer.training.teacher import TeacherSettings, make_teacher_data
+
+
+def train_ssm(
+    prompts: str | Path,
+    out: str | Path,
+    *,
+    model: str | Path | None = None,
+    layers: str = "first:2",
+    mlp_keep: float = 1.0,
+    held_out: str | Path | None = None,
+    chat: bool | None = None,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k_logits: int = 32,
+    dtype: str = "float32",
+    gen_batch: int = 16,
+    settings: TrainSettings | None = None,
+    loss_vocab: int = 0,
+    compact: bool = False,
+    boost_stages: int = 1,
+    match: str = "identical",
+    independent_mode: str | None = None,
+) -> dict:
+    """Returns the report (also written to <out>/report.json). `chat`: wrap text prompts in the
+    target's chat template (default: when it has one, as `specinfer generate` does)."""
+    from specinfer.default_model import default_model_path
+    from specinfer.engine import Engine
+    from specinfer.loader import load_model
+
+    settings = settings or TrainSettings()
+    match_rule(match)  # bad input fails before any work
+    if boost_stages < 1:
+        raise ValueError(f"boost stages must be at least 1, got {boost_stages}")
+    if top_k_logits < 1 or max_new_tokens < 1:
+        raise ValueError("top-k-logits and max-new-tokens must be at least 1")
+    out = Path(out)
+    train_prompts = load_prompts(prompts)
+    held_prompts = load_prompts(held_out) if held_out else []
+    path = Path(model) if model is not None else default_model_path()
+    engine = Engine(path, dtype=dtype, max_batch_size=gen_batch)
+    chosen = parse_layers(layers, engine.config.num_layers)
+    if chat is None:
+        chat = bool(engine.tokenizer.chat_template)
+    teacher = TeacherSettings(str(path), max_new_tokens, temperature, top_k_logits, chat)
+    examples = make_teacher_data(
+        engine, _encode(engine.tokenizer, train_prompts, chat), teacher, out / "teacher"
+    )
+    held = make_teacher_data(
+        engine, _encode(engine.tokenizer, held_prompts, chat), teacher, out / "teacher_held_out",
+        desc="held-out teacher data",
+    ) if held_prompts else []  # fmt: skip
+    tokenizer = engine.tokenizer
+    del engine
+    gc.collect()
+
+    target = load_model(path, torch.float32)  # the student starts from float32 weights
+    recipe = SSMRecipe(target, tokenizer, chosen, settings, head_tokens(examples), mlp_keep,
+                       compact, loss_vocab)  # fmt: skip
+    report = {"target": str(path), "layers": chosen, "mlp_keep": mlp_keep, "chat": chat,
+              "train_prompts": len(examples), "held_out_prompts": len(held),
+              "teacher_tokens": sum(len(e["completion"]) for e in examples)}  # fmt: skip
+    if held:
+        report["held_out_before"] = agreement(recipe.untrained(), held)
+    report["boosting"] = boost(recipe, examples, held, boost_stages, match, out)
+    if independent_mode:
+        report["independent"] = independent(
+            recipe, examples, held, boost_stages, match, independent_mode, out
+        )
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    print(summary(report))
+    return report
+
+
+def _encode(tokenizer, prompts: list, chat: bool) -> list[list[int]]:
+    return [prompt_ids(tokenizer, p, chat) for p in prompts]
+
+
+def summary(report: dict) -> str:
+    """A few lines for the terminal."""
+    lines = [f"layers {report['layers']}, {report['train_prompts']} prompts, "
+             f"{report['teacher_tokens']} teacher tokens"]  # fmt: skip
+
+    def agree(a):
+        return " ".join(f"{k} {v:.1%}" for k, v in a.items())
+
+    if "held_out_before" in report:
+        lines.append(f"held-out agreement before training: {agree(report['held_out_before'])}")
+    for kind in ("boosting", "independent"):
+        for s in report.get(kind, {}).get("ssms", []):
+            line = f"{kind} {s['ssm']}: trained on {s['trained_on']}, coverage {s['coverage']:.1%}"
+            if "held_out_agreement" in s:
+                line += (f", held-out coverage {s['held_out_coverage']:.1%}, "
+                         f"agreement {agree(s['held_out_agreement'])}")  # fmt: skip
+            lines.append(line)
+    return "\n".join(lines)

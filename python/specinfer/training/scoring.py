@@ -1,0 +1,34 @@
+"""Teacher-forced logits of a model at the completion positions of prompt + completion sequences.
+
+One causal forward per mini-batch of right-padded sequences, with our inference kernels: this is
+how the teacher's soft targets are made and how an SSM is scored against the target.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+Sequence = tuple[list[int], list[int]]  # (prompt ids, completion ids)
+
+
+@torch.inference_mode()
+def completion_logits(
+    model: nn.Module, seqs: list[Sequence], batch_size: int = 8
+) -> Iterator[torch.Tensor]:
+    """Yields, per sequence, float32 logits [len(completion), vocab]: row j predicts
+    completion[j] from the prompt and completion[:j]."""
+    for start in range(0, len(seqs), batch_size):
+        batch = seqs[start : start + batch_size]
+        inputs = [p + c[:-1] for p, c in batch]
+        T = max(len(x) for x in inputs)
+        ids = torch.tensor([x + [0] * (T - len(x)) for x in inputs])  # padding sits after, unseen
+        B = len(batch)
+        kv = model.make_kv_cache(B, T)
+        mask = torch.ones(T, T, dtype=torch.bool).tril().expand(B, T, T)
+        hidden = model(ids, torch.arange(T).expand(B, T), kv, torch.arange(B),
+                       torch.zeros(B, dtype=torch.long), mask)  # fmt: skip
+        for b, (p, c) in enumerate(batch):
+            yield model.compute_logits(hidden[b, len(p) - 1 : len(p) - 1 + len(c)]).float()

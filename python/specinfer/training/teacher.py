@@ -1,0 +1,95 @@
+"""Teacher data: the target's own completions and its top-K logits at every completion position.
+
+Work is saved in shards (`<dir>/shard_00000.pt`, ...) as it finishes, so an interrupted run
+resumes at the first missing shard. `<dir>/meta.json` records the settings; a re-run with other
+settings (or other prompts) stops with an error instead of mixing data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specinfer.training.scoring import completion_logits
+
+
+@dataclass
+class TeacherSettings:
+    model: str
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy completions
+    top_k_logits: int = 32
+    chat: bool = True
+    seed: int = 0
+    shard_size: int = 32
+
+
+def make_teacher_data(
+    engine, prompts: list[list[int]], settings: TeacherSettings, out_dir: str | Path,
+    desc: str = "teacher data",
+) -> list[dict]:  # fmt: skip
+    """Examples {"prompt", "completion" (token id lists), "topk_ids" int32 [n, K],
+    "topk_logits" float16 [n, K]} for every prompt (token ids), in order."""
+    from specinfer.sampling import SamplingParams
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {**asdict(settings), "prompts_sha256": _digest(prompts), "num_prompts": len(prompts)}
+    meta_file = out_dir / "meta.json"
+    if meta_file.exists():
+        old = json.loads(meta_file.read_text())
+        if old != meta:
+            changed = sorted(k for k in meta if old.get(k) != meta[k])
+            raise ValueError(
+                f"teacher data in {out_dir} was made with other settings ({', '.join(changed)} "
+                f"differ); use another --out directory or delete {out_dir}"
+            )
+    else:
+        meta_file.write_text(json.dumps(meta, indent=1))
+    examples: list[dict] = []
+    size = settings.shard_size
+    bar = tqdm(total=len(prompts), desc=desc, unit="prompt")
+    for index, start in enumerate(range(0, len(prompts), size)):
+        file = out_dir / f"shard_{index:05d}.pt"
+        if file.exists():
+            shard = torch.load(file, weights_only=True)
+        else:
+            chunk = prompts[start : start + size]
+            params = [
+                SamplingParams(max_tokens=settings.max_new_tokens,
+                               temperature=settings.temperature, seed=settings.seed + start + i)
+                for i in range(len(chunk))
+            ]  # fmt: skip
+            outs = engine.generate(chunk, params)
+            seqs = [(p, o.token_ids) for p, o in zip(chunk, outs)]
+            shard = [
+                _example(p, c, logits, settings.top_k_logits)
+                for (p, c), logits in zip(seqs, completion_logits(engine.model, seqs))
+            ]
+            tmp = file.with_suffix(".tmp")
+            torch.save(shard, tmp)
+            tmp.replace(file)  # a shard is on disk whole or not at all
+        examples += shard
+        bar.update(len(shard))
+        bar.set_postfix(tokens=sum(len(e["completion"]) for e in examples))
+    bar.close()
+    return examples
+
+
+def _example(prompt: list[int], completion: list[int], logits: torch.Tensor, k: int) -> dict:
+    top = logits.topk(min(k, logits.shape[-1]), dim=-1)
+    return {
+        "prompt": prompt,
+        "completion": completion,
+        "topk_ids": top.indices.to(torch.int32),
+        "topk_logits": top.values.to(torch.float16),
+    }
+
+
+def _digest(prompts: list[list[int]]) -> str:
+    return hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
