@@ -94,6 +94,16 @@ def test_speculation_is_lossless_on_smollm2(smollm_gguf, incremental, mode, tree
     print(f"\n{mode} {tree} batch {batch}: near-ties {len(ties)}", *ties, sep="\n  ")
 
 
+def test_merged_ssm_and_ngram_are_lossless_on_smollm2(smollm_gguf, incremental):
+    # The layer-selected SSM's LM head restricted to the first 8192 token ids (the other tests
+    # use the full head).
+    spec = Engine(smollm_gguf, dtype="float32", ssm=["layers:2", "ngram"], tree="1,1,3,1",
+                  ssm_head=8192, max_batch_size=2)  # fmt: skip
+    prompts = (WRITTEN + CHATS)[:4]
+    ties = _check(incremental, spec, prompts, 16)
+    print(f"\nlayers:2 + ngram, batch 2: near-ties {len(ties)}", *ties, sep="\n  ")
+
+
 def test_a_perfect_ssm_accepts_whole_paths(smollm_gguf, incremental):
     # The target as its own SSM: deep accepted paths exercise the depth-first commit.
     spec = Engine(smollm_gguf, dtype="float32", ssm=smollm_gguf, tree="1,2,1", max_batch_size=2)
