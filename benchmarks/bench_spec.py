@@ -24,6 +24,7 @@ import torch
 
 from results_io import save
 from specinfer import Engine, SamplingParams
+from specinfer.training.evaluate import target_tokens, topk_agreement
 from specinfer.tree import TreeConfig
 
 # Modules with long docstrings; prompts are their first 400 characters.
@@ -48,36 +49,9 @@ def load_prompts(n: int, file: str | None) -> list[str]:
 def coverage(engine: Engine, prompts: list[str], tokens: int) -> dict:
     """Table 1: P(target token in SSM top-k) for k = 1, 3, 5, over the target's completions."""
     outs = engine.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
-    hits = {"greedy": [0, 0, 0], "stochastic": [0, 0, 0]}
-    total = 0
-    gen = torch.Generator().manual_seed(0)
+    seqs = [(engine.tokenizer.encode(p), o.token_ids) for p, o in zip(prompts, outs)]
     ssm = engine.drafter.ssms[0].model
-    for out, prompt in zip(outs, prompts):
-        ids = engine.tokenizer.encode(prompt) + out.token_ids
-        n_prompt = len(ids) - len(out.token_ids)
-        target_logits, ssm_logits = (
-            _teacher_forced(m, ids)[n_prompt - 1 : -1] for m in (engine.model, ssm)
-        )
-        top5 = ssm_logits.topk(5, -1).indices
-        sampled = torch.multinomial(torch.softmax(target_logits, -1), 1, generator=gen)[:, 0]
-        for name, want in (("greedy", target_logits.argmax(-1)), ("stochastic", sampled)):
-            for i, k in enumerate((1, 3, 5)):
-                hits[name][i] += (top5[:, :k] == want[:, None]).any(-1).sum().item()
-        total += len(out.token_ids)
-    return {
-        name: {f"top{k}": h[i] / total for i, k in enumerate((1, 3, 5))} for name, h in hits.items()
-    }
-
-
-@torch.inference_mode()
-def _teacher_forced(model, ids: list[int]) -> torch.Tensor:
-    T = len(ids)
-    kv = model.make_kv_cache(1, T)
-    mask = torch.ones(1, T, T, dtype=torch.bool).tril()
-    hidden = model(
-        torch.tensor([ids]), torch.arange(T)[None], kv, torch.tensor([0]), torch.tensor([0]), mask
-    )
-    return model.compute_logits(hidden[0])
+    return topk_agreement(ssm, seqs, target_tokens(engine.model, seqs))
 
 
 def tokens_per_step(engine: Engine, prompts: list[str], tokens: int, temperature: float) -> float:

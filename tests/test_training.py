@@ -15,7 +15,12 @@ from specinfer.training import distill as distill_module
 from specinfer.training.boosting import boost
 from specinfer.training.data import load_prompts, prompt_ids
 from specinfer.training.distill import TrainSettings, distill
-from specinfer.training.evaluate import agreement_vectors, match_rule
+from specinfer.training.evaluate import (
+    agreement_vectors,
+    match_rule,
+    target_tokens,
+    topk_agreement,
+)
 from specinfer.training.export import export_student, head_tokens
 from specinfer.training.recipe import SSMRecipe
 from specinfer.training.scoring import completion_logits
@@ -106,6 +111,25 @@ def test_prompt_file_errors(tmp_path, name, text, message):
 def test_missing_prompt_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="prompt file not found"):
         load_prompts(tmp_path / "nope.txt")
+
+
+def test_teacher_data_resumes_and_checks_settings(tmp_path, tiny):
+    path, target, _ = tiny
+    engine = Engine(path, dtype="float32")
+    settings = TeacherSettings(str(path), max_new_tokens=5, top_k_logits=3, shard_size=4)
+    prompts = _prompts(6)
+    first = make_teacher_data(engine, prompts, settings, tmp_path)
+    assert [len(e["completion"]) for e in first] == [5] * 6
+    assert all(e["topk_ids"].shape == (5, 3) for e in first)
+    (tmp_path / "shard_00001.pt").unlink()  # as if interrupted while making the second shard
+    generated = []
+    real_generate = engine.generate
+    engine.generate = lambda p, params: generated.extend(p) or real_generate(p, params)
+    again = make_teacher_data(engine, prompts, settings, tmp_path)
+    assert generated == prompts[4:]
+    assert [e["completion"] for e in again] == [e["completion"] for e in first]
+    with pytest.raises(ValueError, match=r"other settings \(max_new_tokens, top_k_logits differ"):
+        make_teacher_data(engine, prompts, TeacherSettings(str(path), shard_size=4), tmp_path)
 
 
 # -- the student --------------------------------------------------------------------------------
@@ -287,6 +311,10 @@ def test_boosting_removes_covered_prompts(tmp_path):
     assert stage["covered"] == 10 and stage["coverage"] == 1.0
     assert stage["held_out_coverage"] == 1.0 and stage["held_out_agreement"]["top1"] == 1.0
     assert not (tmp_path / "exact" / "ssm_2").exists()
+    seqs = [(e["prompt"], e["completion"]) for e in examples]
+    table = topk_agreement(exact.untrained(), seqs, target_tokens(target, seqs))
+    assert table["greedy"] == {"top1": 1.0, "top3": 1.0, "top5": 1.0}
+    assert 0 < table["stochastic"]["top1"] <= table["stochastic"]["top5"] <= 1
 
     # An SSM that gets nothing right leaves every prompt to the next stage.
     wrong = SSMRecipe(

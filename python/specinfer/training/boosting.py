@@ -32,7 +32,8 @@ def boost(recipe: SSMRecipe, examples: list[dict], held_out: list[dict], n: int,
         name = "ssm" if n == 1 else f"ssm_{i}"
         checkpoint = out / ("checkpoint.pt" if n == 1 else f"checkpoint_{name}.pt")
         train = [examples[j] for j in remaining]
-        ssm = recipe.train(train, out / name, checkpoint)
+        # Its own seed: a stage that covered nothing does not hand the next the same run.
+        ssm = recipe.train(train, out / name, checkpoint, seed=i - 1)
         matched = covers(ssm, train, match)
         remaining = [j for j, m in zip(remaining, matched) if not m]
         stage = {"ssm": name, "trained_on": len(train), "covered": sum(matched),
@@ -57,7 +58,7 @@ def independent(recipe: SSMRecipe, examples: list[dict], held_out: list[dict], n
     for i in range(1, n + 1):
         part = examples if mode == "seeds" else [examples[j] for j in order[i - 1 :: n]]
         name = f"independent_{i}"
-        ssm = recipe.train(part, out / name, out / f"checkpoint_{name}.pt", seed=i)
+        ssm = recipe.train(part, out / name, out / f"checkpoint_{name}.pt", seed=i - 1)
         covered = [a or b for a, b in zip(covered, covers(ssm, examples, match))]
         entry = {"ssm": name, "trained_on": len(part), "coverage": sum(covered) / len(examples)}
         if held_out:

@@ -65,7 +65,8 @@ def train_ssm(
     chosen = parse_layers(layers, engine.config.num_layers)
     if chat is None:
         chat = bool(engine.tokenizer.chat_template)
-    teacher = TeacherSettings(str(path), max_new_tokens, temperature, top_k_logits, chat)
+    teacher = TeacherSettings(str(path), str(engine.dtype).removeprefix("torch."), max_new_tokens,
+                              temperature, top_k_logits, chat)  # fmt: skip
     examples = make_teacher_data(
         engine, _encode(engine.tokenizer, train_prompts, chat), teacher, out / "teacher"
     )

@@ -21,6 +21,7 @@ from specinfer.training.scoring import completion_logits
 @dataclass
 class TeacherSettings:
     model: str
+    dtype: str = "float32"  # of the generating engine and the soft-target forward
     max_new_tokens: int = 128
     temperature: float = 0.0  # 0 = greedy completions
     top_k_logits: int = 32
