@@ -54,12 +54,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = TrainSettings(loss=args.loss, epochs=args.epochs, steps=args.steps, lr=args.lr,
                                  batch_size=args.batch_size,
-                                 checkpoint_every=args.checkpoint_every)  # fmt: skip
+                                 checkpoint_every=args.checkpoint_every,
+                                 loss_vocab=args.loss_vocab)  # fmt: skip
         train_ssm(
             args.prompts, args.out, model=args.model, layers=args.layers, mlp_keep=args.mlp_keep,
             held_out=args.held_out, chat=args.chat, max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, top_k_logits=args.top_k_logits, dtype=args.dtype,
-            gen_batch=args.gen_batch, settings=settings, loss_vocab=args.loss_vocab,
+            gen_batch=args.gen_batch, settings=settings,
             compact=args.compact, boost_stages=args.boost, match=args.match,
             independent_mode=args.independent,
         )  # fmt: skip

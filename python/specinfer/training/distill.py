@@ -23,6 +23,7 @@ from torch import nn
 from tqdm import tqdm
 
 from specinfer.training.student import train_forward
+from specinfer.training.teacher import head_tokens
 
 
 @dataclass
@@ -36,12 +37,17 @@ class TrainSettings:
     weight_decay: float = 0.0
     checkpoint_every: int = 50
     seed: int = 0
+    loss_vocab: int = 0  # > 0: logits over the N most frequent teacher tokens + each batch's top K
 
     def __post_init__(self):
         if self.loss not in ("kl", "ce"):
             raise ValueError(f"loss must be 'kl' or 'ce', got {self.loss!r}")
         if self.batch_size < 1 or self.checkpoint_every < 1:
             raise ValueError("batch_size and checkpoint_every must be at least 1")
+        if self.loss_vocab < 0:
+            raise ValueError(
+                f"loss_vocab must be >= 0 (0 = the whole vocabulary), got {self.loss_vocab}"
+            )
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"steps must be at least 1, got {self.steps}")
         if self.epochs <= 0 or self.lr <= 0:
@@ -53,7 +59,6 @@ def distill(
     examples: list[dict],
     settings: TrainSettings,
     checkpoint: str | Path,
-    vocab_subset: torch.Tensor | None = None,
     desc: str = "distilling",
 ) -> list[float]:
     """Train `student` in place; returns the loss of every step (resumed steps included)."""
@@ -64,6 +69,9 @@ def distill(
                  if not n.startswith(("model.embed_tokens", "lm_head"))}  # fmt: skip
     for p in trainable.values():
         p.requires_grad_(True)
+    vocab_subset = None
+    if settings.loss_vocab > 0:
+        vocab_subset = torch.tensor(sorted(head_tokens(examples)[: settings.loss_vocab]))
     batches_per_epoch = math.ceil(len(examples) / settings.batch_size)
     total = settings.steps or math.ceil(settings.epochs * batches_per_epoch)
     optimizer = torch.optim.AdamW(

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -20,16 +19,6 @@ from tokenizers import Tokenizer, processors
 from torch import nn
 
 from specinfer.tokenizer import TokenizerWrapper
-
-
-def head_tokens(examples: list[dict]) -> list[int]:
-    """Every token id seen in the examples, most frequent in completions first, ties (and
-    prompt-only tokens) by frequency in prompts."""
-    completions = Counter(t for e in examples for t in e["completion"])
-    prompts = Counter(t for e in examples for t in e["prompt"])
-    return sorted(
-        completions.keys() | prompts.keys(), key=lambda t: (-completions[t], -prompts[t], t)
-    )
 
 
 def export_student(

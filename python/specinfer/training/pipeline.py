@@ -18,10 +18,9 @@ from specinfer.training.boosting import agreement, boost, independent
 from specinfer.training.data import load_prompts, prompt_ids
 from specinfer.training.distill import TrainSettings
 from specinfer.training.evaluate import match_rule
-from specinfer.training.export import head_tokens
 from specinfer.training.recipe import SSMRecipe
 from specinfer.training.student import parse_layers
-from specinfer.training.teacher import TeacherSettings, make_teacher_data
+from specinfer.training.teacher import TeacherSettings, head_tokens, make_teacher_data
 
 
 def train_ssm(
@@ -39,7 +38,6 @@ def train_ssm(
     dtype: str = "float32",
     gen_batch: int = 16,
     settings: TrainSettings | None = None,
-    loss_vocab: int = 0,
     compact: bool = False,
     boost_stages: int = 1,
     match: str = "identical",
@@ -57,6 +55,8 @@ def train_ssm(
         raise ValueError(f"boost stages must be at least 1, got {boost_stages}")
     if top_k_logits < 1 or max_new_tokens < 1:
         raise ValueError("top-k-logits and max-new-tokens must be at least 1")
+    if independent_mode not in (None, "split", "seeds"):
+        raise ValueError(f"independent mode must be 'split' or 'seeds', got {independent_mode!r}")
     out = Path(out)
     train_prompts = load_prompts(prompts)
     held_prompts = load_prompts(held_out) if held_out else []
@@ -68,19 +68,20 @@ def train_ssm(
     teacher = TeacherSettings(str(path), str(engine.dtype).removeprefix("torch."), max_new_tokens,
                               temperature, top_k_logits, chat)  # fmt: skip
     examples = make_teacher_data(
-        engine, _encode(engine.tokenizer, train_prompts, chat), teacher, out / "teacher"
+        engine, _encode(engine, train_prompts, chat, prompts), teacher, out / "teacher"
     )
     held = make_teacher_data(
-        engine, _encode(engine.tokenizer, held_prompts, chat), teacher, out / "teacher_held_out",
+        engine, _encode(engine, held_prompts, chat, held_out), teacher, out / "teacher_held_out",
         desc="held-out teacher data",
     ) if held_prompts else []  # fmt: skip
     tokenizer = engine.tokenizer
+    # The student starts from float32 weights.
+    target = engine.model if engine.dtype == torch.float32 else load_model(path, torch.float32)
     del engine
     gc.collect()
 
-    target = load_model(path, torch.float32)  # the student starts from float32 weights
     recipe = SSMRecipe(target, tokenizer, chosen, settings, head_tokens(examples), mlp_keep,
-                       compact, loss_vocab)  # fmt: skip
+                       compact)  # fmt: skip
     report = {"target": str(path), "layers": chosen, "mlp_keep": mlp_keep, "chat": chat,
               "train_prompts": len(examples), "held_out_prompts": len(held),
               "teacher_tokens": sum(len(e["completion"]) for e in examples)}  # fmt: skip
@@ -96,8 +97,15 @@ def train_ssm(
     return report
 
 
-def _encode(tokenizer, prompts: list, chat: bool) -> list[list[int]]:
-    return [prompt_ids(tokenizer, p, chat) for p in prompts]
+def _encode(engine, prompts: list, chat: bool, file) -> list[list[int]]:
+    ids = [prompt_ids(engine.tokenizer, p, chat) for p in prompts]
+    limit = engine.config.max_position_embeddings
+    for n, x in enumerate(ids, 1):
+        if not 0 < len(x) < limit:
+            raise ValueError(
+                f"{file}: prompt {n} has {len(x)} tokens; the target's context is {limit}"
+            )
+    return ids
 
 
 def summary(report: dict) -> str:

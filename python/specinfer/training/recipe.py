@@ -31,7 +31,6 @@ class SSMRecipe:
     head: list[int]  # token ids by frequency (head_tokens.json)
     mlp_keep: float = 1.0
     compact: bool = False
-    loss_vocab: int = 0  # > 0: logits over the loss_vocab most frequent tokens (+ teacher's top K)
 
     def untrained(self) -> nn.Module:
         return build_student(self.target, self.layers, self.mlp_keep)
@@ -55,12 +54,7 @@ class SSMRecipe:
             tqdm.write(f"{out_dir.name}: already trained, loading it", file=sys.stderr)
         else:
             student = self.untrained()
-            subset = None
-            if self.loss_vocab > 0:
-                subset = torch.tensor(sorted(self.head[: self.loss_vocab]))
-            distill(
-                student, examples, settings, checkpoint, subset, desc=f"training {out_dir.name}"
-            )
+            distill(student, examples, settings, checkpoint, desc=f"training {out_dir.name}")
             export_student(student, out_dir, self.tokenizer, self.head, info, self.compact)
             checkpoint.unlink(missing_ok=True)  # the export is the finished work now
         return load_model(out_dir, torch.float32, shared_embeddings_from=self.target)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -94,3 +95,13 @@ def _example(prompt: list[int], completion: list[int], logits: torch.Tensor, k: 
 
 def _digest(prompts: list[list[int]]) -> str:
     return hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
+
+
+def head_tokens(examples: list[dict]) -> list[int]:
+    """Every token id seen in the examples, most frequent in completions first, ties (and
+    prompt-only tokens) by frequency in prompts."""
+    completions = Counter(t for e in examples for t in e["completion"])
+    prompts = Counter(t for e in examples for t in e["prompt"])
+    return sorted(
+        completions.keys() | prompts.keys(), key=lambda t: (-completions[t], -prompts[t], t)
+    )
