@@ -1,12 +1,16 @@
 """Speculative decoding on the default model, the SpecInfer paper's tables and latency, in one run.
 
-    python benchmarks/bench_spec.py [--model PATH] [--ssm layers:4] [--prompts 8] [--tokens 64]
+    python benchmarks/bench_spec.py [--model PATH] [--ssm layers:4] [--ssm-head N] [--ngram SPEC]
+                                    [--prompts 8] [--tokens 64]
 
 - Table 1 analog: how often the target's next token (greedy, and sampled at T=1) is in the SSM's
   top-1/3/5, teacher-forced over the target's own completions.
 - Table 2 analog: tokens per step for trees <1,1,w,1,1,1,1,1>, w = 1..5, greedy and stochastic.
 - Table 3 analog: multi-step speculative sampling vs naive sampling, tokens per step.
 - Per-token latency of incremental vs sequence vs tree at batch 1, 2, 4, 8, 16.
+- Drafters at batch 1: the n-gram drafter alone, the SSM alone, and both merged into one tree:
+  latency, tokens per step, accepted nodes per SSM, and one iteration's time broken down (each
+  SSM's drafting, target tree forward, verify, commit).
 The prompts are real text nobody here wrote (openings of standard-library docstrings) unless
 --prompts-file gives others. Writes JSON and PNG plots next to --out.
 """
@@ -75,12 +79,17 @@ def latency_ms(engine: Engine, prompts: list[str], tokens: int) -> dict:
     full, outs = run(tokens)
     m = [o.metrics for o in outs]
     steps = max(1, sum(x["steps"] for x in m))
+    per_step = 1000 / max(1, m[0]["steps"])  # the batch's step times, seen by every request
     return {
         "ms_per_token": 1000 * (full - first) / (tokens - 1),
         "tokens_per_step": sum(x["generated_tokens"] - 1 for x in m) / steps,
         "breakdown_ms_per_step": {
-            k: 1000 * m[0][k] / max(1, m[0]["steps"])
-            for k in ("ssm_s", "target_s", "verify_s", "commit_s")
+            **{k: per_step * m[0][k] for k in ("ssm_s", "target_s", "verify_s", "commit_s")},
+            "per_ssm": {s["name"]: per_step * s["ssm_s"] for s in m[0]["per_ssm"]},
+        },
+        "accepted_per_ssm": {
+            s["name"]: sum(x["per_ssm"][i]["accepted"] for x in m)
+            for i, s in enumerate(m[0]["per_ssm"])
         },
     }
 
@@ -91,6 +100,10 @@ def main() -> None:
     )
     parser.add_argument("--model", default=None)
     parser.add_argument("--ssm", default="layers:4", help="SSM: a model path or layers:L")
+    parser.add_argument(
+        "--ssm-head", type=int, default=None, help="SSM LM head over N tokens (0 = full)"
+    )
+    parser.add_argument("--ngram", default="ngram", help="n-gram drafter spec, e.g. ngram:depth=6")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=8)
@@ -104,9 +117,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     prompts = load_prompts(args.prompts, args.prompts_file)
-    base = dict(model=args.model, dtype=args.dtype, threads=args.threads, ssm=args.ssm)
-    result = {"ssm": args.ssm, "dtype": args.dtype, "threads": args.threads, "tokens": args.tokens,
-              "prompts": len(prompts), "tree": args.tree}  # fmt: skip
+    base = dict(model=args.model, dtype=args.dtype, threads=args.threads, ssm=args.ssm,
+                ssm_head=args.ssm_head)  # fmt: skip
+    result = {"ssm": args.ssm, "ssm_head": args.ssm_head, "ngram": args.ngram, "dtype": args.dtype,
+              "threads": args.threads, "tokens": args.tokens, "prompts": len(prompts),
+              "tree": args.tree}  # fmt: skip
 
     engine = Engine(**base, tree=args.tree)
     result["table1_coverage"] = coverage(engine, prompts, args.tokens)
@@ -146,11 +161,21 @@ def main() -> None:
         )
     result["latency"] = latency
 
+    drafters = {}
+    for name, ssm in ((args.ngram, args.ngram), (args.ssm, args.ssm),
+                      (f"{args.ssm} + {args.ngram}", [args.ssm, args.ngram])):  # fmt: skip
+        engine = Engine(**{**base, "ssm": ssm}, tree=args.tree)
+        drafters[name] = latency_ms(engine, prompts[:1], args.tokens)
+        row = drafters[name]
+        print(f"drafter {name}: {row['ms_per_token']:.1f} ms/token, "
+              f"{row['tokens_per_step']:.2f} tokens/step, {row['breakdown_ms_per_step']}")  # fmt: skip
+    result["drafters_batch1"] = drafters
+
     save(result, args.out, plot)
 
 
 def plot(result: dict, plt):
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4))
     t2 = result["table2_tokens_per_step"]
     widths = list(t2)
     for kind in ("greedy", "stochastic"):
@@ -170,9 +195,25 @@ def plot(result: dict, plt):
     axes[2].set(
         title=f"per-token latency (SSM {result['ssm']})", xlabel="batch size", ylabel="ms per token"
     )
+    _plot_breakdown(axes[3], result["drafters_batch1"])
     for ax in axes:
         ax.legend()
     return fig
+
+
+def _plot_breakdown(ax, drafters: dict) -> None:
+    """One stacked bar per drafter: each SSM's drafting, then target, verify, commit."""
+    names = list(drafters)
+    rows = [drafters[n]["breakdown_ms_per_step"] for n in names]
+    parts = [(f"draft {s}", [r["per_ssm"].get(s, 0.0) for r in rows])
+             for s in dict.fromkeys(s for r in rows for s in r["per_ssm"])]  # fmt: skip
+    parts += [(k, [r[f"{k}_s"] for r in rows]) for k in ("target", "verify", "commit")]
+    bottom = [0.0] * len(names)
+    for label, values in parts:
+        ax.bar(names, values, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set(title="one iteration at batch 1", ylabel="ms per step")
+    ax.tick_params(axis="x", labelrotation=15)
 
 
 if __name__ == "__main__":
