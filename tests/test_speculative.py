@@ -140,6 +140,31 @@ def test_restricted_head_proposes_only_its_tokens(tiny_pair, restricted_ssm):
         Engine(tiny_pair[0], ssm=1, ssm_head=-1)
 
 
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("[1, 2]", "expected"),
+        ('{"tokens": []}', "non-empty list"),
+        ('{"tokens": [1, 6]}', r"out of range \[0, 6\): \[6\]"),
+        ('{"tokens": [1, 1]}', "repeat"),
+    ],
+)
+def test_bad_head_tokens_file(tmp_path, content, message):
+    (tmp_path / "head_tokens.json").write_text(content)
+    with pytest.raises(ValueError, match=message):
+        drafting.head_token_ids(tmp_path, None, VOCAB)
+
+
+def test_head_token_ids_choice(tmp_path):
+    assert drafting.head_token_ids("layers:2", None, VOCAB) is None  # full head by default
+    assert drafting.head_token_ids("layers:2", 4, VOCAB) == [0, 1, 2, 3]
+    assert drafting.head_token_ids("layers:2", 6, VOCAB) is None
+    (tmp_path / "head_tokens.json").write_text(json.dumps({"tokens": HEAD_TOKENS}))
+    assert drafting.head_token_ids(tmp_path, None, VOCAB) == HEAD_TOKENS
+    assert drafting.head_token_ids(tmp_path, 2, VOCAB) == HEAD_TOKENS[:2]
+    assert drafting.head_token_ids(tmp_path, 0, VOCAB) is None
+
+
 def test_speculative_metrics_and_bad_configs(tiny_pair):
     target, other = tiny_pair
     engine = Engine(target, dtype="float32", ssm=target, tree="1,2,1")
