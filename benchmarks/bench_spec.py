@@ -1,18 +1,22 @@
 """Speculative decoding on the default model, the SpecInfer paper's tables and latency, in one run.
 
     python benchmarks/bench_spec.py [--model PATH] [--ssm layers:4] [--ssm-head N] [--ngram SPEC]
-                                    [--prompts 8] [--tokens 64]
+                                    [--prompts 8] [--tokens 64] [--prompts-file F --chat]
+                                    [--sections table1 trees latency ...]
 
 - Table 1 analog: how often the target's next token (greedy, and sampled at T=1) is in the SSM's
   top-1/3/5, teacher-forced over the target's own completions.
 - Table 2 analog: tokens per step for trees <1,1,w,1,1,1,1,1>, w = 1..5, greedy and stochastic.
 - Table 3 analog: multi-step speculative sampling vs naive sampling, tokens per step.
 - Per-token latency of incremental vs sequence vs tree at batch 1, 2, 4, 8, 16.
+- Tree configs at batch 1 (--trees): tokens per step and per-token latency of each, to pick
+  the best one for a given SSM.
 - Drafters at batch 1: the n-gram drafter alone, the SSM alone, and both merged into one tree:
   latency, tokens per step, accepted nodes per SSM, and one iteration's time broken down (each
   SSM's drafting, target tree forward, verify, commit).
 The prompts are real text nobody here wrote (openings of standard-library docstrings) unless
---prompts-file gives others. Writes JSON and PNG plots next to --out.
+--prompts-file gives others; --chat sends each as a user message through the chat template, as
+`specinfer generate` does. Writes JSON and PNG plots next to --out.
 """
 
 from __future__ import annotations
@@ -37,7 +41,10 @@ STDLIB = ["json", "os.path", "collections", "itertools", "re", "argparse", "csv"
           "datetime.datetime", "subprocess"]  # fmt: skip
 
 
-def load_prompts(n: int, file: str | None) -> list[str]:
+SECTIONS = ("table1", "table2", "table3", "latency", "trees", "drafters")
+
+
+def load_prompts(n: int, file: str | None, chat: bool) -> list:
     if file:
         lines = Path(file).read_text().splitlines()
         texts = [
@@ -47,13 +54,14 @@ def load_prompts(n: int, file: str | None) -> list[str]:
         texts = [inspect.getdoc(pydoc.locate(name))[:400] for name in STDLIB]
     if not texts:
         raise SystemExit(f"no prompts in {file}")
-    return (texts * n)[:n]
+    texts = (texts * n)[:n]
+    return [[{"role": "user", "content": t}] for t in texts] if chat else texts
 
 
 def coverage(engine: Engine, prompts: list[str], tokens: int) -> dict:
     """Table 1: P(target token in SSM top-k) for k = 1, 3, 5, over the target's completions."""
     outs = engine.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
-    seqs = [(engine.tokenizer.encode(p), o.token_ids) for p, o in zip(prompts, outs)]
+    seqs = [(engine._prompt_ids(i, p), o.token_ids) for i, (p, o) in enumerate(zip(prompts, outs))]
     ssm = engine.drafter.ssms[0].model
     return topk_agreement(ssm, seqs, target_tokens(engine.model, seqs))
 
@@ -66,30 +74,42 @@ def tokens_per_step(engine: Engine, prompts: list[str], tokens: int, temperature
     return sum(len(o.token_ids) - 1 for o in outs) / steps
 
 
-def latency_ms(engine: Engine, prompts: list[str], tokens: int) -> dict:
-    """Per-token latency: (time for N tokens - time for 1) / (N - 1), so prefill is excluded."""
+def latency_ms(engine: Engine, prompts: list, tokens: int, batch: int) -> dict:
+    """Per-token latency of requests run `batch` at a time, over every group of the prompts:
+    (time for N tokens - time for 1) / (N - 1), so prefill is excluded."""
+    groups = [(prompts * batch)[i : i + batch] for i in range(0, max(len(prompts), batch), batch)]
+    groups = [g for g in groups if len(g) == batch]
 
-    def run(n):
+    def run(group, n):
         t0 = time.perf_counter()
-        outs = engine.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
+        outs = engine.generate(group, SamplingParams(max_tokens=n, ignore_eos=True))
         return time.perf_counter() - t0, outs
 
-    run(2)  # warm-up
-    first, _ = run(1)
-    full, outs = run(tokens)
-    m = [o.metrics for o in outs]
-    steps = max(1, sum(x["steps"] for x in m))
-    per_step = 1000 / max(1, m[0]["steps"])  # the batch's step times, seen by every request
+    run(groups[0], 2)  # warm-up
+    decode_s, outs, leads = 0.0, [], []
+    for group in groups:
+        first, _ = run(group, 1)
+        full, group_outs = run(group, tokens)
+        decode_s += full - first
+        outs += group_outs
+        leads.append(group_outs[0].metrics)  # a batch's step times are shared by its requests
+    steps = sum(x["steps"] for x in leads) or 1
+    per_ssm = [s["name"] for s in leads[0]["per_ssm"]]
+
+    def ms_per_step(key, i=None):
+        return 1000 * sum((x if i is None else x["per_ssm"][i])[key] for x in leads) / steps
+
     return {
-        "ms_per_token": 1000 * (full - first) / (tokens - 1),
-        "tokens_per_step": sum(x["generated_tokens"] - 1 for x in m) / steps,
+        "ms_per_token": 1000 * decode_s / (len(groups) * (tokens - 1)),
+        "tokens_per_step": sum(o.metrics["generated_tokens"] - 1 for o in outs)
+        / max(1, sum(o.metrics["steps"] for o in outs)),
         "breakdown_ms_per_step": {
-            **{k: per_step * m[0][k] for k in ("ssm_s", "target_s", "verify_s", "commit_s")},
-            "per_ssm": {s["name"]: per_step * s["ssm_s"] for s in m[0]["per_ssm"]},
+            **{k: ms_per_step(k) for k in ("ssm_s", "target_s", "verify_s", "commit_s")},
+            "per_ssm": {name: ms_per_step("ssm_s", i) for i, name in enumerate(per_ssm)},
         },
         "accepted_per_ssm": {
-            s["name"]: sum(x["per_ssm"][i]["accepted"] for x in m)
-            for i, s in enumerate(m[0]["per_ssm"])
+            name: sum(o.metrics["per_ssm"][i]["accepted"] for o in outs)
+            for i, name in enumerate(per_ssm)
         },
     }
 
@@ -110,98 +130,141 @@ def main() -> None:
     parser.add_argument(
         "--prompts-file", default=None, help=".txt (one per line) or .jsonl with 'prompt'"
     )
+    parser.add_argument("--chat", action="store_true", help="prompts as chat messages")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--tree", default="1,1,3,1,1,1,1,1")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument(
+        "--trees",
+        nargs="+",
+        default=["1,1,1,1", "2,1,1,1", "2,2,1,1", "1,1,3,1,1,1,1,1", "3,2,1,1,1"],
+    )
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     parser.add_argument("--out", default="benchmarks/results/spec.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    prompts = load_prompts(args.prompts, args.prompts_file)
+    prompts = load_prompts(args.prompts, args.prompts_file, args.chat)
     base = dict(model=args.model, dtype=args.dtype, threads=args.threads, ssm=args.ssm,
                 ssm_head=args.ssm_head)  # fmt: skip
     result = {"ssm": args.ssm, "ssm_head": args.ssm_head, "ngram": args.ngram, "dtype": args.dtype,
               "threads": args.threads, "tokens": args.tokens, "prompts": len(prompts),
-              "tree": args.tree}  # fmt: skip
+              "tree": args.tree, "chat": args.chat, "prompts_file": args.prompts_file}  # fmt: skip
+    run = set(args.sections)
 
-    engine = Engine(**base, tree=args.tree)
-    result["table1_coverage"] = coverage(engine, prompts, args.tokens)
-    print("table 1:", json.dumps(result["table1_coverage"]))
-
-    table2 = {}
-    for w in range(1, 6):
-        tree = TreeConfig((1, 1, w, 1, 1, 1, 1, 1))
-        engine = Engine(**base, tree=tree)
-        table2[w] = {
-            t: tokens_per_step(engine, prompts, args.tokens, temp)
-            for t, temp in (("greedy", 0.0), ("stochastic", 1.0))
-        }
-        print(f"table 2: width {w}: {table2[w]}")
-    result["table2_tokens_per_step"] = table2
-
-    table3 = {}
-    for w in (2, 3, 4, 5):
-        tree = TreeConfig((1, 1, w, 1, 1, 1, 1, 1))
-        table3[w] = {v: tokens_per_step(Engine(**base, tree=tree, verifier=v), prompts, args.tokens, 1.0)
-                     for v in ("mss", "naive")}  # fmt: skip
-        print(f"table 3: width {w}: {table3[w]}")
-    result["table3_mss_vs_naive"] = table3
-
-    latency = {}
-    engines = {"incremental": Engine(**{**base, "ssm": None}),
-               "sequence": Engine(**base, tree=args.tree, mode="sequence"),
-               "tree": Engine(**base, tree=args.tree)}  # fmt: skip
-    for batch in args.batches:
-        batch_prompts = (prompts * batch)[:batch]
-        latency[batch] = {
-            mode: latency_ms(e, batch_prompts, args.tokens) for mode, e in engines.items()
-        }
-        print(
-            f"latency batch {batch}:",
-            {m: round(v["ms_per_token"], 1) for m, v in latency[batch].items()},
-        )
-    result["latency"] = latency
-
-    drafters = {}
-    for name, ssm in ((args.ngram, args.ngram), (args.ssm, args.ssm),
-                      (f"{args.ssm} + {args.ngram}", [args.ssm, args.ngram])):  # fmt: skip
-        engine = Engine(**{**base, "ssm": ssm}, tree=args.tree)
-        drafters[name] = latency_ms(engine, prompts[:1], args.tokens)
-        row = drafters[name]
-        print(f"drafter {name}: {row['ms_per_token']:.1f} ms/token, "
-              f"{row['tokens_per_step']:.2f} tokens/step, {row['breakdown_ms_per_step']}")  # fmt: skip
-    result["drafters_batch1"] = drafters
-
+    if "table1" in run:
+        engine = Engine(**base, tree=args.tree)
+        result["table1_coverage"] = coverage(engine, prompts, args.tokens)
+        print("table 1:", json.dumps(result["table1_coverage"]))
+    if "table2" in run:
+        result["table2_tokens_per_step"] = table2(base, prompts, args.tokens)
+    if "table3" in run:
+        result["table3_mss_vs_naive"] = table3(base, prompts, args.tokens)
+    if "latency" in run:
+        result["latency"] = latency(base, args.tree, prompts, args.tokens, args.batches)
+    if "trees" in run:
+        result["trees_batch1"] = {t: latency_ms(Engine(**base, tree=t), prompts, args.tokens, batch=1)
+                                  for t in args.trees}  # fmt: skip
+        for t, row in result["trees_batch1"].items():
+            print(f"tree {t}: {row['ms_per_token']:.1f} ms/token, "
+                  f"{row['tokens_per_step']:.2f} tokens/step")  # fmt: skip
+    if "drafters" in run:
+        result["drafters_batch1"] = drafters(base, args, prompts)
     save(result, args.out, plot)
 
 
+def table2(base: dict, prompts: list, tokens: int) -> dict:
+
+    result = {}
+    for w in range(1, 6):
+        engine = Engine(**base, tree=TreeConfig((1, 1, w, 1, 1, 1, 1, 1)))
+        result[w] = {
+            t: tokens_per_step(engine, prompts, tokens, temp)
+            for t, temp in (("greedy", 0.0), ("stochastic", 1.0))
+        }
+        print(f"table 2: width {w}: {result[w]}")
+    return result
+
+
+def table3(base: dict, prompts: list, tokens: int) -> dict:
+    result = {}
+    for w in (2, 3, 4, 5):
+        tree = TreeConfig((1, 1, w, 1, 1, 1, 1, 1))
+        result[w] = {v: tokens_per_step(Engine(**base, tree=tree, verifier=v), prompts, tokens, 1.0)
+                     for v in ("mss", "naive")}  # fmt: skip
+        print(f"table 3: width {w}: {result[w]}")
+    return result
+
+
+def latency(base: dict, tree: str, prompts: list, tokens: int, batches: list[int]) -> dict:
+    result = {}
+    engines = {"incremental": Engine(**{**base, "ssm": None}),
+               "sequence": Engine(**base, tree=tree, mode="sequence"),
+               "tree": Engine(**base, tree=tree)}  # fmt: skip
+    for batch in batches:
+        result[batch] = {mode: latency_ms(e, prompts, tokens, batch) for mode, e in engines.items()}
+        print(
+            f"latency batch {batch}:",
+            {m: round(v["ms_per_token"], 1) for m, v in result[batch].items()},
+        )
+    return result
+
+
+def drafters(base: dict, args, prompts: list) -> dict:
+    result = {}
+    for name, ssm in ((args.ngram, args.ngram), (args.ssm, args.ssm),
+                      (f"{args.ssm} + {args.ngram}", [args.ssm, args.ngram])):  # fmt: skip
+        engine = Engine(**{**base, "ssm": ssm}, tree=args.tree)
+        result[name] = row = latency_ms(engine, prompts, args.tokens, batch=1)
+        print(f"drafter {name}: {row['ms_per_token']:.1f} ms/token, "
+              f"{row['tokens_per_step']:.2f} tokens/step, {row['breakdown_ms_per_step']}")  # fmt: skip
+    return result
+
+
 def plot(result: dict, plt):
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4))
-    t2 = result["table2_tokens_per_step"]
-    widths = list(t2)
-    for kind in ("greedy", "stochastic"):
-        axes[0].plot(widths, [t2[w][kind] for w in widths], marker="o", label=kind)
-    axes[0].set(
-        title="tokens/step vs tree width <1,1,w,1,...>", xlabel="width w", ylabel="tokens per step"
-    )
-    t3 = result["table3_mss_vs_naive"]
-    for v in ("mss", "naive"):
-        axes[1].plot(list(t3), [t3[w][v] for w in t3], marker="o", label=v)
-    axes[1].set(
-        title="stochastic: MSS vs naive sampling", xlabel="width w", ylabel="tokens per step"
-    )
-    lat = result["latency"]
-    for mode in ("incremental", "sequence", "tree"):
-        axes[2].plot(list(lat), [lat[b][mode]["ms_per_token"] for b in lat], marker="o", label=mode)
-    axes[2].set(
-        title=f"per-token latency (SSM {result['ssm']})", xlabel="batch size", ylabel="ms per token"
-    )
-    _plot_breakdown(axes[3], result["drafters_batch1"])
-    for ax in axes:
-        ax.legend()
+    panels = [(key, draw) for key, draw in (("table2_tokens_per_step", _plot_table2),
+              ("table3_mss_vs_naive", _plot_table3), ("latency", _plot_latency),
+              ("trees_batch1", _plot_trees), ("drafters_batch1", _plot_breakdown))
+              if key in result]  # fmt: skip
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(5 * max(1, len(panels)), 4))
+    axes = axes if len(panels) > 1 else [axes]
+    for ax, (key, draw) in zip(axes, panels):
+        draw(ax, result[key], result)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
     return fig
 
 
-def _plot_breakdown(ax, drafters: dict) -> None:
+def _plot_table2(ax, t2: dict, result: dict) -> None:
+    for kind in ("greedy", "stochastic"):
+        ax.plot(list(t2), [t2[w][kind] for w in t2], marker="o", label=kind)
+    ax.set(title="tokens/step vs tree width <1,1,w,1,...>", xlabel="width w",
+           ylabel="tokens per step")  # fmt: skip
+
+
+def _plot_table3(ax, t3: dict, result: dict) -> None:
+    for v in ("mss", "naive"):
+        ax.plot(list(t3), [t3[w][v] for w in t3], marker="o", label=v)
+    ax.set(title="stochastic: MSS vs naive sampling", xlabel="width w", ylabel="tokens per step")
+
+
+def _plot_latency(ax, lat: dict, result: dict) -> None:
+    for mode in ("incremental", "sequence", "tree"):
+        ax.plot(list(lat), [lat[b][mode]["ms_per_token"] for b in lat], marker="o", label=mode)
+    ax.set(title=f"per-token latency (SSM {result['ssm']})", xlabel="batch size",
+           ylabel="ms per token")  # fmt: skip
+
+
+def _plot_trees(ax, trees: dict, result: dict) -> None:
+    names = list(trees)
+    ax.bar(names, [trees[t]["ms_per_token"] for t in names])
+    for i, t in enumerate(names):
+        ax.annotate(f"{trees[t]['tokens_per_step']:.2f} tok/step", (i, trees[t]["ms_per_token"]),
+                    ha="center", va="bottom", fontsize=8)  # fmt: skip
+    ax.set(title="tree configs at batch 1", ylabel="ms per token")
+    ax.tick_params(axis="x", labelrotation=15)
+
+
+def _plot_breakdown(ax, drafters: dict, result: dict) -> None:
     """One stacked bar per drafter: each SSM's drafting, then target, verify, commit."""
     names = list(drafters)
     rows = [drafters[n]["breakdown_ms_per_step"] for n in names]
