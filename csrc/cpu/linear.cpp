@@ -2,12 +2,14 @@
 
 #include <algorithm>
 #include <string>
+#include <vector>
 
 #include "cpu/cpu_features.h"
 #include "ops.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
-// GCC 12's AVX-512 headers trip -Wuninitialized on their own __Y temporaries (GCC PR 105593).
+// GCC 12's AVX-512 headers trip -Wuninitialized on their own __Y temporaries
+// (GCC PR 105593).
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -24,14 +26,14 @@ template <typename T>
 struct Portable {
   template <int MB, int NB>
   struct Tile {
-    SPECINFER_INLINE static void run(const LinearProblem& p, int64_t m0, int64_t n0) {
+    SPECINFER_INLINE static void run(const LinearProblem &p, int64_t m0, int64_t n0) {
       linear_tile_portable<T, MB, NB>(p, m0, n0);
     }
   };
 };
 
 template <typename T>
-void tile_portable(const LinearProblem& p, int64_t m0, int64_t n0, int mb, int nb) {
+void tile_portable(const LinearProblem &p, int64_t m0, int64_t n0, int mb, int nb) {
   dispatch_tile<Portable<T>::template Tile>(p, m0, n0, mb, nb);
 }
 
@@ -50,13 +52,14 @@ SPECINFER_TARGET(SPECINFER_AVX512) inline float hsum512(__m512 v) {
   return hsum256(_mm512_castps512_ps256(halves));
 }
 
-// bf16 x bf16 -> fp32: one _mm512_dpbf16_ps multiplies and pair-sums 32 products.
+// bf16 x bf16 -> fp32: one _mm512_dpbf16_ps multiplies and pair-sums 32
+// products.
 template <int MB, int NB>
 struct TileBf16Avx512 {
   SPECINFER_TARGET(SPECINFER_AVX512_BF16)
-  static void run(const LinearProblem& p, int64_t m0, int64_t n0) {
-    const uint16_t* x = static_cast<const uint16_t*>(p.x) + m0 * p.x_stride;
-    const uint16_t* w = static_cast<const uint16_t*>(p.w) + n0 * p.w_stride;
+  static void run(const LinearProblem &p, int64_t m0, int64_t n0) {
+    const uint16_t *x = static_cast<const uint16_t *>(p.x) + m0 * p.x_stride;
+    const uint16_t *w = static_cast<const uint16_t *>(p.w) + n0 * p.w_stride;
     __m512 acc[MB][NB];
     for (int i = 0; i < MB; ++i)
       for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -79,9 +82,9 @@ struct TileBf16Avx512 {
 template <int MB, int NB>
 struct TileF32Avx512 {
   SPECINFER_TARGET(SPECINFER_AVX512)
-  static void run(const LinearProblem& p, int64_t m0, int64_t n0) {
-    const float* x = static_cast<const float*>(p.x) + m0 * p.x_stride;
-    const float* w = static_cast<const float*>(p.w) + n0 * p.w_stride;
+  static void run(const LinearProblem &p, int64_t m0, int64_t n0) {
+    const float *x = static_cast<const float *>(p.x) + m0 * p.x_stride;
+    const float *w = static_cast<const float *>(p.w) + n0 * p.w_stride;
     __m512 acc[MB][NB];
     for (int i = 0; i < MB; ++i)
       for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -99,166 +102,222 @@ struct TileF32Avx512 {
   }
 };
 
-// AVX2 tiles step 16 (fp32) or 32 (bf16) columns at a time; the last K % step columns go through
-// zero-padded copies. 16 ymm registers: tiles are at most 2 x 4. Small tiles split each
-// dot product over kSplits accumulators so the FMA latency chain does not limit a single row.
-template <int MB, int NB>
-constexpr int kSplits = MB* NB >= 4 ? 1 : 4 / (MB * NB);
+// --- AVX2 + FMA ---
+// x is first converted to float32 rows padded with zeros to a multiple of 8
+// columns (it is small and read many times); the weight is converted to float32
+// as it streams by.
 
-template <int MB, int NB>
-using Avx2Acc = __m256[MB][NB][kSplits<MB, NB>];
+constexpr int64_t kVec = 8;  // floats per ymm register
+constexpr int64_t kLookahead = 1;
 
-template <int MB, int NB, int kStep, typename T>
-SPECINFER_INLINE void run_steps_with_tail(const T* x, int64_t xs, const T* w, int64_t ws, int64_t K,
-                                          void (*step)(const T*, int64_t, const T*, int64_t,
-                                                       Avx2Acc<MB, NB>&),
-                                          Avx2Acc<MB, NB>& acc) {
-  int64_t k = 0;
-  for (; k + kStep <= K; k += kStep) {
-    // Prefetch the same columns of the next block's rows: the weight streams ahead of use.
-    for (int j = 0; j < NB; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (j + NB) * ws + k), _MM_HINT_T0);
-    }
-    step(x + k, xs, w + k, ws, acc);
-  }
-  if (k == K) return;
-  T xt[MB][kStep] = {}, wt[NB][kStep] = {};
-  for (int64_t c = 0; c < K - k; ++c) {
-    for (int i = 0; i < MB; ++i) xt[i][c] = x[i * xs + k + c];
-    for (int j = 0; j < NB; ++j) wt[j][c] = w[j * ws + k + c];
-  }
-  step(&xt[0][0], kStep, &wt[0][0], kStep, acc);
+int64_t padded(int64_t k) { return (k + kVec - 1) / kVec * kVec; }
+
+// A float buffer of at least n elements, 64-byte aligned, owned by the calling
+// thread and reused by its later calls (one per role, so the x rows and a
+// weight panel never share one).
+template <int Role>
+float *thread_scratch(int64_t n) {
+  thread_local std::vector<float> buf;
+  if (int64_t(buf.size()) < n + 16) buf.resize(n + 16);
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(buf.data());
+  return reinterpret_cast<float *>((addr + 63) & ~uintptr_t(63));
 }
 
-template <typename T, int MB, int NB, int kStep>
+SPECINFER_TARGET(SPECINFER_AVX2) inline __m256 load8(const float *p) { return _mm256_loadu_ps(p); }
+
+// bf16 -> fp32 is a 16-bit left shift of each widened element.
+SPECINFER_TARGET(SPECINFER_AVX2) inline __m256 load8(const bf16 *p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// dst[r, :] = float(src row r), r < rows, then zeros up to `width` columns (a
+// multiple of 8).
+template <typename T>
 SPECINFER_TARGET(SPECINFER_AVX2)
-void run_avx2_tile(const LinearProblem& p, int64_t m0, int64_t n0,
-                   void (*step)(const T*, int64_t, const T*, int64_t, Avx2Acc<MB, NB>&)) {
-  Avx2Acc<MB, NB> acc;
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j)
-      for (int s = 0; s < kSplits<MB, NB>; ++s) acc[i][j][s] = _mm256_setzero_ps();
-  run_steps_with_tail<MB, NB, kStep>(static_cast<const T*>(p.x) + m0 * p.x_stride, p.x_stride,
-                                     static_cast<const T*>(p.w) + n0 * p.w_stride, p.w_stride, p.K,
-                                     step, acc);
-  for (int i = 0; i < MB; ++i) {
-    for (int j = 0; j < NB; ++j) {
-      __m256 sum = acc[i][j][0];
-      for (int s = 1; s < kSplits<MB, NB>; ++s) sum = _mm256_add_ps(sum, acc[i][j][s]);
-      store_output<T>(p, m0 + i, n0 + j, hsum256(sum));
+void to_float_rows(const T *src, int64_t stride, int64_t rows, int64_t cols, float *dst,
+                   int64_t width) {
+  for (int64_t r = 0; r < rows; ++r, src += stride, dst += width) {
+    int64_t c = 0;
+    for (; c + kVec <= cols; c += kVec) _mm256_store_ps(dst + c, load8(src + c));
+    for (; c < width; ++c) dst[c] = c < cols ? to_float(src[c]) : 0.0f;
+  }
+}
+
+// M == 1 (decode): each weight row in turn against x, so the weight is one
+// sequential stream. Four accumulators hide the FMA latency; the row kLookahead
+// rows ahead is prefetched.
+template <typename T>
+SPECINFER_TARGET(SPECINFER_AVX2)
+void gemv_avx2(const LinearProblem &p, const float *x, int64_t n_begin, int64_t n_end) {
+  const int64_t K = p.K, k_vec = K / kVec * kVec;
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const T *w = static_cast<const T *>(p.w) + n * p.w_stride;
+    const T *ahead = w + kLookahead * p.w_stride;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                     _mm256_setzero_ps()};
+    int64_t k = 0;
+    for (; k + 4 * kVec <= K; k += 4 * kVec) {
+      _mm_prefetch(reinterpret_cast<const char *>(ahead + k), _MM_HINT_T0);
+      for (int u = 0; u < 4; ++u) {
+        acc[u] = _mm256_fmadd_ps(load8(w + k + u * kVec), _mm256_load_ps(x + k + u * kVec), acc[u]);
+      }
+    }
+    for (; k < k_vec; k += kVec) {
+      acc[0] = _mm256_fmadd_ps(load8(w + k), _mm256_load_ps(x + k), acc[0]);
+    }
+    float sum =
+        hsum256(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+    for (; k < K; ++k) sum += x[k] * to_float(w[k]);
+    store_output<T>(p, 0, n, sum);
+  }
+}
+
+// M > 1: kPanel weight rows meet every x row, MB rows at a time: per 8 columns
+// MB + kPanel loads feed MB * kPanel FMAs into independent accumulators (4 x 3
+// = 12, with 3 weight and 1 x register: all 16 ymm). The first tile reads the
+// weight itself and leaves it converted to float32 in a panel (in L1) for the
+// other tiles, so the weight's memory latency overlaps FMAs and it is converted
+// once.
+constexpr int kPanel = 3, kMaxMB = 4;
+
+// Columns [k_begin, k_end) of a tile; Pack: read w (kPanel rows w_stride apart)
+// and store it to the panel, else read the panel.
+template <typename T, int MB, bool Pack>
+SPECINFER_TARGET(SPECINFER_AVX2)
+SPECINFER_INLINE
+    void tile_columns(const float *x, int64_t width, const T *w, int64_t w_stride, float *panel,
+                      int64_t k_begin, int64_t k_end, __m256 (&acc)[MB][kPanel]) {
+  for (int64_t k = k_begin; k < k_end; k += kVec) {
+    __m256 wv[kPanel];
+    for (int j = 0; j < kPanel; ++j) {
+      if (Pack) {
+        // The same columns of the next panel's row, once per cache line: the
+        // hardware prefetcher alone does not keep kPanel streams ahead.
+        if (k % (64 / sizeof(T)) == 0) {
+          _mm_prefetch(reinterpret_cast<const char *>(w + (j + kPanel) * w_stride + k),
+                       _MM_HINT_T0);
+        }
+        wv[j] = load8(w + j * w_stride + k);
+        _mm256_store_ps(panel + j * width + k, wv[j]);
+      } else {
+        wv[j] = _mm256_load_ps(panel + j * width + k);
+      }
+    }
+    for (int i = 0; i < MB; ++i) {
+      const __m256 xv = _mm256_load_ps(x + i * width + k);
+      for (int j = 0; j < kPanel; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
     }
   }
 }
 
-template <int MB, int NB>
-struct TileF32Avx2 {
-  SPECINFER_TARGET(SPECINFER_AVX2)
-  static void step(const float* x, int64_t xs, const float* w, int64_t ws, Avx2Acc<MB, NB>& acc) {
-    for (int part = 0; part < 2; ++part) {
-      __m256 xv[MB];
-      for (int i = 0; i < MB; ++i) xv[i] = _mm256_loadu_ps(x + i * xs + 8 * part);
-      for (int j = 0; j < NB; ++j) {
-        const __m256 wv = _mm256_loadu_ps(w + j * ws + 8 * part);
-        for (int i = 0; i < MB; ++i) {
-          __m256& a = acc[i][j][part % kSplits<MB, NB>];
-          a = _mm256_fmadd_ps(xv[i], wv, a);
-        }
-      }
+// Rows m0 .. m0 + MB - 1 against the panel at n0. With `w` (only for a whole
+// panel), the columns before K / 8 * 8 come from the weight and are packed on
+// the way; the panel already holds the rest (the last K % 8 columns and the
+// zero padding).
+template <typename T, int MB>
+SPECINFER_TARGET(SPECINFER_AVX2)
+void panel_tile_avx2(const LinearProblem &p, const float *x, int64_t width, const T *w,
+                     float *panel, int64_t m0, int64_t n0) {
+  __m256 acc[MB][kPanel];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < kPanel; ++j) acc[i][j] = _mm256_setzero_ps();
+  x += m0 * width;
+  const int64_t k_packed = w ? p.K / kVec * kVec : 0;
+  tile_columns<T, MB, true>(x, width, w, p.w_stride, panel, 0, k_packed, acc);
+  tile_columns<T, MB, false>(x, width, w, p.w_stride, panel, k_packed, width, acc);
+  const int nb = int(std::min<int64_t>(kPanel, p.N - n0));
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < nb; ++j) store_output<T>(p, m0 + i, n0 + j, hsum256(acc[i][j]));
+}
+
+template <typename T>
+SPECINFER_TARGET(SPECINFER_AVX2)
+void panel_rows_avx2(const LinearProblem &p, const float *x, int64_t width, const T *w,
+                     float *panel, int64_t m0, int64_t n0) {
+  switch (std::min<int64_t>(kMaxMB, p.M - m0)) {
+    case 1:
+      return panel_tile_avx2<T, 1>(p, x, width, w, panel, m0, n0);
+    case 2:
+      return panel_tile_avx2<T, 2>(p, x, width, w, panel, m0, n0);
+    case 3:
+      return panel_tile_avx2<T, 3>(p, x, width, w, panel, m0, n0);
+    default:
+      return panel_tile_avx2<T, kMaxMB>(p, x, width, w, panel, m0, n0);
+  }
+}
+
+template <typename T>
+SPECINFER_TARGET(SPECINFER_AVX2)
+void gemm_avx2(const LinearProblem &p, const float *x, int64_t width, int64_t panel_index) {
+  float *panel = thread_scratch<1>(kPanel * width);
+  const int64_t n0 = panel_index * kPanel, rows = std::min<int64_t>(kPanel, p.N - n0);
+  const T *w = static_cast<const T *>(p.w) + n0 * p.w_stride;
+  // A whole panel is packed by its first tile but for the columns after K / 8 *
+  // 8; a last, partial one is packed here, zero rows included.
+  const int64_t tail = rows == kPanel ? p.K / kVec * kVec : 0;
+  for (int64_t j = 0; j < kPanel; ++j) {
+    for (int64_t k = tail; k < width; ++k) {
+      panel[j * width + k] = j < rows && k < p.K ? to_float(w[j * p.w_stride + k]) : 0.0f;
     }
   }
-
-  SPECINFER_TARGET(SPECINFER_AVX2)
-  static void run(const LinearProblem& p, int64_t m0, int64_t n0) {
-    run_avx2_tile<float, MB, NB, 16>(p, m0, n0, step);
+  panel_rows_avx2<T>(p, x, width, rows == kPanel ? w : nullptr, panel, 0, n0);
+  for (int64_t m0 = kMaxMB; m0 < p.M; m0 += kMaxMB) {
+    panel_rows_avx2<T>(p, x, width, nullptr, panel, m0, n0);
   }
-};
+}
 
-// bf16 on AVX2: a 32-bit lane holds two bf16; shifting left by 16 gives the even one as fp32 and
-// masking the low half gives the odd one. A dot product does not care about the order, so x and
-// w are split the same way and no unpacking is needed.
-template <int MB, int NB>
-struct TileBf16Avx2 {
-  SPECINFER_TARGET(SPECINFER_AVX2)
-  static void step(const bf16* x, int64_t xs, const bf16* w, int64_t ws, Avx2Acc<MB, NB>& acc) {
-    const __m256i high = _mm256_set1_epi32(int(0xffff0000u));
-    for (int part = 0; part < 2; ++part) {
-      __m256 xe[MB], xo[MB];
-      for (int i = 0; i < MB; ++i) {
-        const __m256i v =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i * xs + 16 * part));
-        xe[i] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-        xo[i] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
-      }
-      for (int j = 0; j < NB; ++j) {
-        const __m256i v =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * ws + 16 * part));
-        const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-        const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, high));
-        for (int i = 0; i < MB; ++i) {
-          __m256& even = acc[i][j][(2 * part) % kSplits<MB, NB>];
-          even = _mm256_fmadd_ps(xe[i], we, even);
-          __m256& odd = acc[i][j][(2 * part + 1) % kSplits<MB, NB>];
-          odd = _mm256_fmadd_ps(xo[i], wo, odd);
-        }
-      }
+template <typename T>
+void run_avx2(const LinearProblem &p, bool parallel) {
+  const int64_t width = padded(p.K);
+  float *x = thread_scratch<0>(p.M * width);
+  to_float_rows(static_cast<const T *>(p.x), p.x_stride, p.M, p.K, x, width);
+  // Contiguous runs of rows (M == 1) or panels per thread; blocks of 16 rows
+  // keep the split even.
+  const int64_t per_block = p.M == 1 ? 16 : kPanel;
+  const int64_t blocks = (p.N + per_block - 1) / per_block;
+#pragma omp parallel for schedule(static) if (parallel)
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (p.M == 1) {
+      gemv_avx2<T>(p, x, b * per_block, std::min(p.N, (b + 1) * per_block));
+    } else {
+      gemm_avx2<T>(p, x, width, b);
     }
   }
-
-  SPECINFER_TARGET(SPECINFER_AVX2)
-  static void run(const LinearProblem& p, int64_t m0, int64_t n0) {
-    run_avx2_tile<bf16, MB, NB, 32>(p, m0, n0, step);
-  }
-};
+}
 
 SPECINFER_TARGET(SPECINFER_AVX512_BF16)
-void tile_bf16_avx512bf16(const LinearProblem& p, int64_t m0, int64_t n0, int mb, int nb) {
+void tile_bf16_avx512bf16(const LinearProblem &p, int64_t m0, int64_t n0, int mb, int nb) {
   dispatch_tile<TileBf16Avx512>(p, m0, n0, mb, nb);
 }
 
 SPECINFER_TARGET(SPECINFER_AVX512)
-void tile_f32_avx512(const LinearProblem& p, int64_t m0, int64_t n0, int mb, int nb) {
+void tile_f32_avx512(const LinearProblem &p, int64_t m0, int64_t n0, int mb, int nb) {
   dispatch_tile<TileF32Avx512>(p, m0, n0, mb, nb);
 }
 
-SPECINFER_TARGET(SPECINFER_AVX2)
-void tile_f32_avx2(const LinearProblem& p, int64_t m0, int64_t n0, int mb, int nb) {
-  dispatch_tile<TileF32Avx2>(p, m0, n0, mb, nb);
-}
-
-SPECINFER_TARGET(SPECINFER_AVX2)
-void tile_bf16_avx2(const LinearProblem& p, int64_t m0, int64_t n0, int mb, int nb) {
-  dispatch_tile<TileBf16Avx2>(p, m0, n0, mb, nb);
-}
 #endif  // SPECINFER_HAVE_X86
 
-// A tile function and the most x rows it takes at once (AVX2 has 16 vector registers, AVX-512 32).
+// A tile function and the most x rows it takes at once.
 struct LinearKernel {
   LinearTileFn tile;
   int max_rows;
 };
 
-LinearKernel select_kernel(DType dtype) {
+LinearKernel select_tile_kernel(DType dtype) {
 #ifdef SPECINFER_HAVE_X86
-  if (dtype == DType::kBFloat16) {
-    if (has_avx512_bf16()) return {tile_bf16_avx512bf16, 4};
-    if (has_avx2_fma()) return {tile_bf16_avx2, 2};
-  } else {
-    if (has_avx512()) return {tile_f32_avx512, 4};
-    if (has_avx2_fma()) return {tile_f32_avx2, 2};
-  }
+  if (dtype == DType::kBFloat16 && has_avx512_bf16()) return {tile_bf16_avx512bf16, 4};
+  if (dtype == DType::kFloat32 && has_avx512()) return {tile_f32_avx512, 4};
 #endif
   if (dtype == DType::kBFloat16) return {tile_portable<bf16>, 4};
   return {tile_portable<float>, 4};
 }
 
-void run(const LinearProblem& p, LinearKernel kernel, int64_t elem_size) {
-  // Several rows share each loaded block of 4 weight rows; a single row takes 16 weight rows per
-  // call, one after another.
+void run_tiles(const LinearProblem &p, LinearKernel kernel, bool parallel) {
+  // Several rows share each loaded block of 4 weight rows; a single row takes
+  // 16 weight rows per call, one after another.
   const int nb = p.M == 1 ? 16 : 4;
   const int64_t blocks = (p.N + nb - 1) / nb;
-  // Forking threads costs more than it saves below ~0.5 MB of weight (measured: 192x576 bf16 is
-  // 20 us on one thread, 31 us on two).
-  const bool parallel = p.N * p.K * elem_size >= (int64_t(1) << 19);
 #pragma omp parallel for schedule(static) if (parallel)
   for (int64_t block = 0; block < blocks; ++block) {
     const int64_t n0 = block * nb, n_end = std::min(p.N, n0 + nb);
@@ -273,17 +332,33 @@ void run(const LinearProblem& p, LinearKernel kernel, int64_t elem_size) {
   }
 }
 
+void run(const LinearProblem &p, DType dtype) {
+  // Forking threads costs more than it saves below ~0.5 MB of weight at one row
+  // (measured: 192x576 bf16 is 20 us on one thread, 31 us on two); more rows
+  // mean more work per byte.
+  const int64_t elem_size = dtype == DType::kFloat32 ? 4 : 2;
+  const bool parallel = p.N * p.K * std::max(p.M, elem_size) >= (int64_t(1) << 19);
+#ifdef SPECINFER_HAVE_X86
+  const bool avx512 = dtype == DType::kBFloat16 ? has_avx512_bf16() : has_avx512();
+  if (!avx512 && has_avx2_fma()) {
+    if (dtype == DType::kBFloat16) return run_avx2<bf16>(p, parallel);
+    return run_avx2<float>(p, parallel);
+  }
+#endif
+  run_tiles(p, select_tile_kernel(dtype), parallel);
+}
+
 }  // namespace
 }  // namespace cpu
 
-void linear_cpu(const TensorView& x, const TensorView& w, const TensorView* bias,
-                const TensorView& out) {
+void linear_cpu(const TensorView &x, const TensorView &w, const TensorView *bias,
+                const TensorView &out) {
   const std::string op = "linear";
   check_ndim(x, 2, op, "x", "[rows, in_features]");
   check_ndim(w, 2, op, "weight", "[out_features, in_features]");
   check_ndim(out, 2, op, "out", "[rows, out_features]");
-  const TensorView* all[] = {&w, &out, bias};
-  const char* names[] = {"weight", "out", "bias"};
+  const TensorView *all[] = {&w, &out, bias};
+  const char *names[] = {"weight", "out", "bias"};
   for (int i = 0; i < 3; ++i) {
     if (all[i] == nullptr) continue;
     if (all[i]->device != Device::kCPU) fail(op, std::string(names[i]) + " must be on cpu");
@@ -315,7 +390,7 @@ void linear_cpu(const TensorView& x, const TensorView& w, const TensorView* bias
   p.N = w.shape[0];
   p.K = x.shape[1];
   if (p.M == 0 || p.N == 0) return;
-  cpu::run(p, cpu::select_kernel(x.dtype), x.dtype == DType::kFloat32 ? 4 : 2);
+  cpu::run(p, x.dtype);
 }
 
 }  // namespace specinfer
