@@ -8,8 +8,7 @@
 #include "ops.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
-// GCC 12's AVX-512 headers trip -Wuninitialized on their own __Y temporaries
-// (GCC PR 105593).
+// GCC 12's AVX-512 headers trip -Wuninitialized on their own __Y temporaries (GCC PR 105593).
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -26,14 +25,14 @@ template <typename T>
 struct Portable {
   template <int MB, int NB>
   struct Tile {
-    SPECINFER_INLINE static void run(const LinearProblem &p, int64_t m0, int64_t n0) {
+    SPECINFER_INLINE static void run(const LinearProblem& p, int64_t m0, int64_t n0) {
       linear_tile_portable<T, MB, NB>(p, m0, n0);
     }
   };
 };
 
 template <typename T>
-void tile_portable(const LinearProblem &p, int64_t m0, int64_t n0, int mb, int nb) {
+void tile_portable(const LinearProblem& p, int64_t m0, int64_t n0, int mb, int nb) {
   dispatch_tile<Portable<T>::template Tile>(p, m0, n0, mb, nb);
 }
 
@@ -52,14 +51,13 @@ SPECINFER_TARGET(SPECINFER_AVX512) inline float hsum512(__m512 v) {
   return hsum256(_mm512_castps512_ps256(halves));
 }
 
-// bf16 x bf16 -> fp32: one _mm512_dpbf16_ps multiplies and pair-sums 32
-// products.
+// bf16 x bf16 -> fp32: one _mm512_dpbf16_ps multiplies and pair-sums 32 products.
 template <int MB, int NB>
 struct TileBf16Avx512 {
   SPECINFER_TARGET(SPECINFER_AVX512_BF16)
-  static void run(const LinearProblem &p, int64_t m0, int64_t n0) {
-    const uint16_t *x = static_cast<const uint16_t *>(p.x) + m0 * p.x_stride;
-    const uint16_t *w = static_cast<const uint16_t *>(p.w) + n0 * p.w_stride;
+  static void run(const LinearProblem& p, int64_t m0, int64_t n0) {
+    const uint16_t* x = static_cast<const uint16_t*>(p.x) + m0 * p.x_stride;
+    const uint16_t* w = static_cast<const uint16_t*>(p.w) + n0 * p.w_stride;
     __m512 acc[MB][NB];
     for (int i = 0; i < MB; ++i)
       for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -82,9 +80,9 @@ struct TileBf16Avx512 {
 template <int MB, int NB>
 struct TileF32Avx512 {
   SPECINFER_TARGET(SPECINFER_AVX512)
-  static void run(const LinearProblem &p, int64_t m0, int64_t n0) {
-    const float *x = static_cast<const float *>(p.x) + m0 * p.x_stride;
-    const float *w = static_cast<const float *>(p.w) + n0 * p.w_stride;
+  static void run(const LinearProblem& p, int64_t m0, int64_t n0) {
+    const float* x = static_cast<const float*>(p.x) + m0 * p.x_stride;
+    const float* w = static_cast<const float*>(p.w) + n0 * p.w_stride;
     __m512 acc[MB][NB];
     for (int i = 0; i < MB; ++i)
       for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -103,39 +101,36 @@ struct TileF32Avx512 {
 };
 
 // --- AVX2 + FMA ---
-// x is first converted to float32 rows padded with zeros to a multiple of 8
-// columns (it is small and read many times); the weight is converted to float32
-// as it streams by.
+// x is first converted to float32 rows padded with zeros to a multiple of 8 columns (it is small
+// and read many times); the weight is converted to float32 as it streams by.
 
 constexpr int64_t kVec = 8;  // floats per ymm register
 constexpr int64_t kLookahead = 1;
 
 int64_t padded(int64_t k) { return (k + kVec - 1) / kVec * kVec; }
 
-// A float buffer of at least n elements, 64-byte aligned, owned by the calling
-// thread and reused by its later calls (one per role, so the x rows and a
-// weight panel never share one).
+// A float buffer of at least n elements, 64-byte aligned, owned by the calling thread and reused by
+// its later calls (one per role, so the x rows and a weight panel never share one).
 template <int Role>
-float *thread_scratch(int64_t n) {
+float* thread_scratch(int64_t n) {
   thread_local std::vector<float> buf;
   if (int64_t(buf.size()) < n + 16) buf.resize(n + 16);
   const uintptr_t addr = reinterpret_cast<uintptr_t>(buf.data());
-  return reinterpret_cast<float *>((addr + 63) & ~uintptr_t(63));
+  return reinterpret_cast<float*>((addr + 63) & ~uintptr_t(63));
 }
 
-SPECINFER_TARGET(SPECINFER_AVX2) inline __m256 load8(const float *p) { return _mm256_loadu_ps(p); }
+SPECINFER_TARGET(SPECINFER_AVX2) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 
 // bf16 -> fp32 is a 16-bit left shift of each widened element.
-SPECINFER_TARGET(SPECINFER_AVX2) inline __m256 load8(const bf16 *p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
+SPECINFER_TARGET(SPECINFER_AVX2) inline __m256 load8(const bf16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
-// dst[r, :] = float(src row r), r < rows, then zeros up to `width` columns (a
-// multiple of 8).
+// dst[r, :] = float(src row r), r < rows, then zeros up to `width` columns (a multiple of 8).
 template <typename T>
 SPECINFER_TARGET(SPECINFER_AVX2)
-void to_float_rows(const T *src, int64_t stride, int64_t rows, int64_t cols, float *dst,
+void to_float_rows(const T* src, int64_t stride, int64_t rows, int64_t cols, float* dst,
                    int64_t width) {
   for (int64_t r = 0; r < rows; ++r, src += stride, dst += width) {
     int64_t c = 0;
@@ -144,21 +139,20 @@ void to_float_rows(const T *src, int64_t stride, int64_t rows, int64_t cols, flo
   }
 }
 
-// M == 1 (decode): each weight row in turn against x, so the weight is one
-// sequential stream. Four accumulators hide the FMA latency; the row kLookahead
-// rows ahead is prefetched.
+// M == 1 (decode): each weight row in turn against x, so the weight is one sequential stream. Four
+// accumulators hide the FMA latency; the row kLookahead rows ahead is prefetched.
 template <typename T>
 SPECINFER_TARGET(SPECINFER_AVX2)
-void gemv_avx2(const LinearProblem &p, const float *x, int64_t n_begin, int64_t n_end) {
+void gemv_avx2(const LinearProblem& p, const float* x, int64_t n_begin, int64_t n_end) {
   const int64_t K = p.K, k_vec = K / kVec * kVec;
   for (int64_t n = n_begin; n < n_end; ++n) {
-    const T *w = static_cast<const T *>(p.w) + n * p.w_stride;
-    const T *ahead = w + kLookahead * p.w_stride;
+    const T* w = static_cast<const T*>(p.w) + n * p.w_stride;
+    const T* ahead = w + kLookahead * p.w_stride;
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                      _mm256_setzero_ps()};
     int64_t k = 0;
     for (; k + 4 * kVec <= K; k += 4 * kVec) {
-      _mm_prefetch(reinterpret_cast<const char *>(ahead + k), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + k), _MM_HINT_T0);
       for (int u = 0; u < 4; ++u) {
         acc[u] = _mm256_fmadd_ps(load8(w + k + u * kVec), _mm256_load_ps(x + k + u * kVec), acc[u]);
       }
@@ -173,33 +167,31 @@ void gemv_avx2(const LinearProblem &p, const float *x, int64_t n_begin, int64_t 
   }
 }
 
-// M > 1: kPanel weight rows meet every x row, MB rows at a time: per 8 columns
-// MB + kPanel loads feed MB * kPanel FMAs into independent accumulators (4 x 3
-// = 12, with 3 weight and 1 x register: all 16 ymm). The first tile reads the
-// weight itself and leaves it converted to float32 in a panel (in L1) for the
-// other tiles, so the weight's memory latency overlaps FMAs and it is converted
+// M > 1: kPanel weight rows meet every x row, MB rows at a time: per 8 columns MB + kPanel loads
+// feed MB * kPanel FMAs into independent accumulators (4 x 3 = 12, with 3 weight and 1 x register:
+// all 16 ymm). The first tile reads the weight itself and leaves it converted to float32 in a panel
+// (in L1) for the other tiles, so the weight's memory latency overlaps FMAs and it is converted
 // once.
 constexpr int kPanel = 3, kMaxMB = 4;
 
-// Columns [k_begin, k_end) of a tile; Pack: read w (kPanel rows w_stride apart)
-// and store it to the panel, else read the panel.
-template <typename T, int MB, bool Pack>
+// Columns [k_begin, k_end) of a tile; FromWeight: read w (kPanel rows w_stride apart) and, unless
+// `panel` is null, store it there converted; else read the panel.
+template <typename T, int MB, bool FromWeight>
 SPECINFER_TARGET(SPECINFER_AVX2)
 SPECINFER_INLINE
-    void tile_columns(const float *x, int64_t width, const T *w, int64_t w_stride, float *panel,
+    void tile_columns(const float* x, int64_t width, const T* w, int64_t w_stride, float* panel,
                       int64_t k_begin, int64_t k_end, __m256 (&acc)[MB][kPanel]) {
   for (int64_t k = k_begin; k < k_end; k += kVec) {
     __m256 wv[kPanel];
     for (int j = 0; j < kPanel; ++j) {
-      if (Pack) {
-        // The same columns of the next panel's row, once per cache line: the
-        // hardware prefetcher alone does not keep kPanel streams ahead.
+      if (FromWeight) {
+        // The same columns of the next panel's row, once per cache line: the hardware prefetcher
+        // alone does not keep kPanel streams ahead.
         if (k % (64 / sizeof(T)) == 0) {
-          _mm_prefetch(reinterpret_cast<const char *>(w + (j + kPanel) * w_stride + k),
-                       _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(w + (j + kPanel) * w_stride + k), _MM_HINT_T0);
         }
         wv[j] = load8(w + j * w_stride + k);
-        _mm256_store_ps(panel + j * width + k, wv[j]);
+        if (panel) _mm256_store_ps(panel + j * width + k, wv[j]);
       } else {
         wv[j] = _mm256_load_ps(panel + j * width + k);
       }
@@ -211,20 +203,20 @@ SPECINFER_INLINE
   }
 }
 
-// Rows m0 .. m0 + MB - 1 against the panel at n0. With `w` (only for a whole
-// panel), the columns before K / 8 * 8 come from the weight and are packed on
-// the way; the panel already holds the rest (the last K % 8 columns and the
-// zero padding).
+// Rows m0 .. m0 + MB - 1 against the panel at n0. With `w` (only for a whole panel), the columns
+// before K / 8 * 8 come from the weight, packed on the way when more tiles follow; the panel
+// already holds the rest (the last K % 8 columns and the zero padding).
 template <typename T, int MB>
 SPECINFER_TARGET(SPECINFER_AVX2)
-void panel_tile_avx2(const LinearProblem &p, const float *x, int64_t width, const T *w,
-                     float *panel, int64_t m0, int64_t n0) {
+void panel_tile_avx2(const LinearProblem& p, const float* x, int64_t width, const T* w,
+                     float* panel, int64_t m0, int64_t n0) {
   __m256 acc[MB][kPanel];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < kPanel; ++j) acc[i][j] = _mm256_setzero_ps();
   x += m0 * width;
   const int64_t k_packed = w ? p.K / kVec * kVec : 0;
-  tile_columns<T, MB, true>(x, width, w, p.w_stride, panel, 0, k_packed, acc);
+  float* pack_to = p.M > kMaxMB ? panel : nullptr;
+  tile_columns<T, MB, true>(x, width, w, p.w_stride, pack_to, 0, k_packed, acc);
   tile_columns<T, MB, false>(x, width, w, p.w_stride, panel, k_packed, width, acc);
   const int nb = int(std::min<int64_t>(kPanel, p.N - n0));
   for (int i = 0; i < MB; ++i)
@@ -233,8 +225,8 @@ void panel_tile_avx2(const LinearProblem &p, const float *x, int64_t width, cons
 
 template <typename T>
 SPECINFER_TARGET(SPECINFER_AVX2)
-void panel_rows_avx2(const LinearProblem &p, const float *x, int64_t width, const T *w,
-                     float *panel, int64_t m0, int64_t n0) {
+void panel_rows_avx2(const LinearProblem& p, const float* x, int64_t width, const T* w,
+                     float* panel, int64_t m0, int64_t n0) {
   switch (std::min<int64_t>(kMaxMB, p.M - m0)) {
     case 1:
       return panel_tile_avx2<T, 1>(p, x, width, w, panel, m0, n0);
@@ -249,12 +241,12 @@ void panel_rows_avx2(const LinearProblem &p, const float *x, int64_t width, cons
 
 template <typename T>
 SPECINFER_TARGET(SPECINFER_AVX2)
-void gemm_avx2(const LinearProblem &p, const float *x, int64_t width, int64_t panel_index) {
-  float *panel = thread_scratch<1>(kPanel * width);
+void gemm_avx2(const LinearProblem& p, const float* x, int64_t width, int64_t panel_index) {
+  float* panel = thread_scratch<1>(kPanel * width);
   const int64_t n0 = panel_index * kPanel, rows = std::min<int64_t>(kPanel, p.N - n0);
-  const T *w = static_cast<const T *>(p.w) + n0 * p.w_stride;
-  // A whole panel is packed by its first tile but for the columns after K / 8 *
-  // 8; a last, partial one is packed here, zero rows included.
+  const T* w = static_cast<const T*>(p.w) + n0 * p.w_stride;
+  // A whole panel is packed by its first tile but for the columns after K / 8 * 8; a last, partial
+  // one is packed here, zero rows included.
   const int64_t tail = rows == kPanel ? p.K / kVec * kVec : 0;
   for (int64_t j = 0; j < kPanel; ++j) {
     for (int64_t k = tail; k < width; ++k) {
@@ -268,12 +260,11 @@ void gemm_avx2(const LinearProblem &p, const float *x, int64_t width, int64_t pa
 }
 
 template <typename T>
-void run_avx2(const LinearProblem &p, bool parallel) {
+void run_avx2(const LinearProblem& p, bool parallel) {
   const int64_t width = padded(p.K);
-  float *x = thread_scratch<0>(p.M * width);
-  to_float_rows(static_cast<const T *>(p.x), p.x_stride, p.M, p.K, x, width);
-  // Contiguous runs of rows (M == 1) or panels per thread; blocks of 16 rows
-  // keep the split even.
+  float* x = thread_scratch<0>(p.M * width);
+  to_float_rows(static_cast<const T*>(p.x), p.x_stride, p.M, p.K, x, width);
+  // Contiguous runs of rows (M == 1) or panels per thread; blocks of 16 rows keep the split even.
   const int64_t per_block = p.M == 1 ? 16 : kPanel;
   const int64_t blocks = (p.N + per_block - 1) / per_block;
 #pragma omp parallel for schedule(static) if (parallel)
@@ -287,12 +278,12 @@ void run_avx2(const LinearProblem &p, bool parallel) {
 }
 
 SPECINFER_TARGET(SPECINFER_AVX512_BF16)
-void tile_bf16_avx512bf16(const LinearProblem &p, int64_t m0, int64_t n0, int mb, int nb) {
+void tile_bf16_avx512bf16(const LinearProblem& p, int64_t m0, int64_t n0, int mb, int nb) {
   dispatch_tile<TileBf16Avx512>(p, m0, n0, mb, nb);
 }
 
 SPECINFER_TARGET(SPECINFER_AVX512)
-void tile_f32_avx512(const LinearProblem &p, int64_t m0, int64_t n0, int mb, int nb) {
+void tile_f32_avx512(const LinearProblem& p, int64_t m0, int64_t n0, int mb, int nb) {
   dispatch_tile<TileF32Avx512>(p, m0, n0, mb, nb);
 }
 
@@ -313,9 +304,9 @@ LinearKernel select_tile_kernel(DType dtype) {
   return {tile_portable<float>, 4};
 }
 
-void run_tiles(const LinearProblem &p, LinearKernel kernel, bool parallel) {
-  // Several rows share each loaded block of 4 weight rows; a single row takes
-  // 16 weight rows per call, one after another.
+void run_tiles(const LinearProblem& p, LinearKernel kernel, bool parallel) {
+  // Several rows share each loaded block of 4 weight rows; a single row takes 16 weight rows per
+  // call, one after another.
   const int nb = p.M == 1 ? 16 : 4;
   const int64_t blocks = (p.N + nb - 1) / nb;
 #pragma omp parallel for schedule(static) if (parallel)
@@ -332,10 +323,9 @@ void run_tiles(const LinearProblem &p, LinearKernel kernel, bool parallel) {
   }
 }
 
-void run(const LinearProblem &p, DType dtype) {
-  // Forking threads costs more than it saves below ~0.5 MB of weight at one row
-  // (measured: 192x576 bf16 is 20 us on one thread, 31 us on two); more rows
-  // mean more work per byte.
+void run(const LinearProblem& p, DType dtype) {
+  // Forking threads costs more than it saves below ~0.5 MB of weight at one row (measured: 192x576
+  // bf16 is 20 us on one thread, 31 us on two); more rows mean more work per byte.
   const int64_t elem_size = dtype == DType::kFloat32 ? 4 : 2;
   const bool parallel = p.N * p.K * std::max(p.M, elem_size) >= (int64_t(1) << 19);
 #ifdef SPECINFER_HAVE_X86
@@ -351,14 +341,14 @@ void run(const LinearProblem &p, DType dtype) {
 }  // namespace
 }  // namespace cpu
 
-void linear_cpu(const TensorView &x, const TensorView &w, const TensorView *bias,
-                const TensorView &out) {
+void linear_cpu(const TensorView& x, const TensorView& w, const TensorView* bias,
+                const TensorView& out) {
   const std::string op = "linear";
   check_ndim(x, 2, op, "x", "[rows, in_features]");
   check_ndim(w, 2, op, "weight", "[out_features, in_features]");
   check_ndim(out, 2, op, "out", "[rows, out_features]");
-  const TensorView *all[] = {&w, &out, bias};
-  const char *names[] = {"weight", "out", "bias"};
+  const TensorView* all[] = {&w, &out, bias};
+  const char* names[] = {"weight", "out", "bias"};
   for (int i = 0; i < 3; ++i) {
     if (all[i] == nullptr) continue;
     if (all[i]->device != Device::kCPU) fail(op, std::string(names[i]) + " must be on cpu");
