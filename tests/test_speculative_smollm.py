@@ -124,3 +124,31 @@ def test_speculation_is_lossless_on_smollm2_30x128(smollm_gguf, incremental, mod
     assert len(prompts) == 30
     ties = _check(incremental, spec, prompts, 128)
     print(f"\n{mode} {tree} batch {batch}, 30 x 128: near-ties {len(ties)}", *ties, sep="\n  ")
+
+
+def test_the_shipped_default_ssm_is_lossless(smollm_gguf, incremental):
+    spec = Engine(smollm_gguf, dtype="float32", ssm=["default", "ngram"], max_batch_size=2)
+    ties = _check(incremental, spec, CHATS[:2], 24)
+    print(f"\ndefault SSM + ngram: near-ties {len(ties)}", *ties, sep="\n  ")
+
+
+def test_generate_speculates_with_the_default_ssm(smollm_gguf, capsys):
+    from specinfer.cli import main
+
+    if smollm_gguf.name != "SmolLM2-135M-Instruct.Q4_1.gguf":
+        pytest.skip("SPECINFER_TEST_GGUF is not the default model")
+    args = ["generate", "Name three colours.", "--max-tokens", "12", "--dtype", "float32"]
+    assert main(args + ["--stats"]) == 0
+    speculative = capsys.readouterr()
+    assert "default_ssm:" in speculative.err  # per-SSM statistics: the shipped SSM drafted
+    assert main(args + ["--mode", "incremental"]) == 0
+    assert capsys.readouterr().out == speculative.out
+
+
+def test_the_default_ssm_belongs_to_the_default_model(tmp_path):
+    from specinfer.drafting import build_drafter
+
+    with pytest.raises(ValueError, match="distilled from"):
+        build_drafter(
+            "default", None, None, tmp_path / "other.gguf", torch.float32, "cpu", None, False
+        )

@@ -29,8 +29,10 @@ def main(argv: list[str] | None = None) -> int:
         "--ssm",
         action="append",
         default=None,
-        help="speculative model: a model path, layers:L (the target's first L layers), or ngram"
-        "[:max_n=3,min_n=1,depth=5,branches=1] (prompt lookup); repeat it to merge their trees",
+        help="speculative model: a model path, layers:L (the target's first L layers), default "
+        "(the SSM shipped for the default model), or ngram[:max_n=3,min_n=1,depth=5,branches=1] "
+        "(prompt lookup); repeat it to merge their trees. Default: with the default model, "
+        "default + ngram (turn off with --mode incremental); with --model, none",
     )
     gen.add_argument(
         "--ssm-head",
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         "--mode",
         choices=["incremental", "sequence", "tree"],
         default=None,
-        help="default: tree when --ssm is given, else incremental",
+        help="default: tree when an SSM is used, else incremental",
     )
     gen.add_argument("--stats", action="store_true", help="print decoding statistics to stderr")
     gen.add_argument(
@@ -75,12 +77,15 @@ def main(argv: list[str] | None = None) -> int:
             top_p=args.top_p,
             seed=args.seed,
         )
+        ssm = args.ssm
+        if ssm is None and args.model is None and args.mode != "incremental":
+            ssm = ["default", "ngram"]  # the default model speculates with its shipped SSM
         engine = Engine(
             args.model,
             dtype=args.dtype,
             device=args.device,
             threads=args.threads,
-            ssm=args.ssm,
+            ssm=ssm,
             tree=args.tree,
             mode=args.mode,
             ssm_head=args.ssm_head,
@@ -106,7 +111,12 @@ def _format_stats(m: dict) -> str:
         f"[{tokens} tokens, {m['steps']} decode steps, {m['tokens_per_step']:.2f} tokens/step, "
         f"{per_token:.1f} ms/token (prefill {1000 * m['prefill_s']:.0f} ms; "
         f"ssm {1000 * m['ssm_s']:.0f} ms, target {1000 * m['target_s']:.0f} ms, "
-        f"verify {1000 * m['verify_s']:.0f} ms, commit {1000 * m['commit_s']:.0f} ms)]"
+        f"verify {1000 * m['verify_s']:.0f} ms, commit {1000 * m['commit_s']:.0f} ms)"
+        + "".join(
+            f"; {s['name']}: {s['accepted']} accepted, {1000 * s['ssm_s']:.0f} ms"
+            for s in m.get("per_ssm", [])
+        )  # fmt: skip
+        + "]"
     )
 
 

@@ -70,3 +70,22 @@ def _fetch(target: Path) -> None:
                 while chunk := src.read(1 << 22):
                     dst.write(chunk)
         partial.replace(target)  # atomic: an interrupted fetch never leaves a truncated model
+
+
+# The SSM distilled from the default model by `specinfer train-ssm --compact` (its layers only: it
+# shares the target's embeddings), shipped inside the package, and the tree it drafts by default.
+DEFAULT_SSM_DIR = Path(__file__).parent / "default_ssm"
+DEFAULT_SSM_TREE = "2,1,1,1"
+
+
+def default_ssm_path(target_path: Path) -> Path:
+    if target_path.name != GGUF_NAME:
+        raise ValueError(
+            f'ssm="default" is the SSM distilled from {GGUF_NAME}; {target_path.name} needs its '
+            "own (see `specinfer train-ssm`), or layers:L / ngram"
+        )
+    if not (DEFAULT_SSM_DIR / "config.json").is_file():
+        raise FileNotFoundError(
+            f"the default SSM is missing from this installation: {DEFAULT_SSM_DIR}"
+        )
+    return DEFAULT_SSM_DIR

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from torch import nn
 
+from specinfer.default_model import DEFAULT_SSM_TREE, default_ssm_path
 from specinfer.ngram import NgramConfig, NgramDrafter
 from specinfer.speculator import load_speculator
 from specinfer.tree import TokenTree, TreeConfig, merge_trees
@@ -86,7 +87,8 @@ def _own_path(path: list[int], merged_of: list[int]) -> list[int]:
 
 def build_drafter(specs, trees, target: nn.Module, target_path: Path, dtype, device,
                   head: int | None, chains: bool) -> Drafter:  # fmt: skip
-    """SSMs from specs (a model path, int L / "layers:L", or an n-gram spec "ngram[:k=v,...]"),
+    """SSMs from specs (a model path, int L / "layers:L", "default" for the SSM shipped for the
+    default model, or an n-gram spec "ngram[:k=v,...]"),
     each with its tree config (`trees`: one for all, or a list per SSM; None at n-gram entries).
     `head`: the neural SSMs' LM head vocabulary (see `head_token_ids`). `chains`: sequence mode,
     every SSM drafts a chain."""
@@ -111,6 +113,8 @@ def build_drafter(specs, trees, target: nn.Module, target_path: Path, dtype, dev
                 config = NgramConfig(config.max_n, config.min_n, config.depth, 1)
             ssms.append(NgramDrafter(config, name=spec))
             continue
+        if spec == "default":
+            spec, tree = default_ssm_path(target_path), tree or DEFAULT_SSM_TREE
         tree = TreeConfig.parse(tree) if isinstance(tree, str) else tree or TreeConfig()
         if chains:
             tree = TreeConfig((1,) * tree.depth, tree.max_nodes, tree.sample_children)
