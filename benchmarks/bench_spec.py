@@ -54,7 +54,8 @@ def load_prompts(n: int, file: str | None, chat: bool) -> list:
         texts = [inspect.getdoc(pydoc.locate(name))[:400] for name in STDLIB]
     if not texts:
         raise SystemExit(f"no prompts in {file}")
-    texts = (texts * n)[:n]
+    # Evenly spaced: a prompt file grouped by source contributes every source.
+    texts = texts[:: max(1, len(texts) // n)][:n] if len(texts) > n else (texts * n)[:n]
     return [[{"role": "user", "content": t}] for t in texts] if chat else texts
 
 
