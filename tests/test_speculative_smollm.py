@@ -132,15 +132,18 @@ def test_the_shipped_default_ssm_is_lossless(smollm_gguf, incremental):
     print(f"\ndefault SSM + ngram: near-ties {len(ties)}", *ties, sep="\n  ")
 
 
-def test_generate_speculates_with_the_default_ssm(smollm_gguf, capsys):
+@pytest.mark.parametrize("ssm", [[], ["--ssm", "default", "--ssm", "ngram"]])
+def test_generate_speculates_by_default(smollm_gguf, capsys, ssm):
     from specinfer.cli import main
+    from specinfer.default_model import GGUF_NAME
 
-    if smollm_gguf.name != "SmolLM2-135M-Instruct.Q4_1.gguf":
-        pytest.skip("SPECINFER_TEST_GGUF is not the default model")
-    args = ["generate", "Name three colours.", "--max-tokens", "12", "--dtype", "float32"]
-    assert main(args + ["--stats"]) == 0
+    if ssm and smollm_gguf.name != GGUF_NAME:
+        pytest.skip("the shipped SSM belongs to the default model")
+    args = ["generate", "Name three colours.", "--max-tokens", "12", "--dtype", "float32",
+            "--model", str(smollm_gguf)]  # fmt: skip
+    assert main(args + ssm + ["--stats"]) == 0
     speculative = capsys.readouterr()
-    assert "default_ssm:" in speculative.err  # per-SSM statistics: the shipped SSM drafted
+    assert "ngram:" in speculative.err  # per-SSM statistics: the n-gram drafter drafted
     assert main(args + ["--mode", "incremental"]) == 0
     assert capsys.readouterr().out == speculative.out
 
