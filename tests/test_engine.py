@@ -1,7 +1,6 @@
 """Engine behaviour on the default model: API, streaming, stop rules, batching, bad input."""
 
 import pytest
-import torch
 
 from specinfer import Engine, SamplingParams
 from specinfer.cli import main as cli_main
@@ -9,7 +8,6 @@ from specinfer.cli import main as cli_main
 
 @pytest.fixture(scope="module")
 def engine(smollm_gguf):
-    torch.set_num_threads(2)
     return Engine(smollm_gguf, dtype="float32", max_batch_size=3)
 
 

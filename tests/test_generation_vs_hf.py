@@ -42,7 +42,6 @@ def _stdlib_prompts(n: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def engine(smollm_gguf):
-    torch.set_num_threads(2)
     return Engine(smollm_gguf, dtype="float32", max_batch_size=20)
 
 

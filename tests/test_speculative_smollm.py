@@ -29,7 +29,6 @@ def _more_stdlib_prompts() -> list[str]:
 
 @pytest.fixture(scope="module")
 def incremental(smollm_gguf):
-    torch.set_num_threads(2)
     return Engine(smollm_gguf, dtype="float32", max_batch_size=30)
 
 
