@@ -3,7 +3,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/dlpack.h"
@@ -57,6 +59,56 @@ Borrowed borrow(py::handle obj, const std::string& op, const char* name) {
   return {capsule, view_from_dlpack(managed->dl_tensor, op, name)};
 }
 
+// A recorded sequence of op calls, replayed later in one call without Python: the CPU analogue of
+// a CUDA graph. At decode sizes a model step is ~300 small ops whose Python glue costs as much as
+// the arithmetic; a replay pays for none of it. Each step keeps its checked views and re-runs the
+// op's checks (indices change between replays); the capsules keep every tensor alive.
+class OpGraph {
+ public:
+  ~OpGraph() { end(); }
+  void begin() {
+    if (recording_ != nullptr)
+      throw std::runtime_error("OpGraph: another graph is recording in this thread");
+    steps_.clear();
+    keep_alive_.clear();
+    recording_ = this;
+  }
+  void end() {
+    if (recording_ == this) recording_ = nullptr;
+  }
+  void replay() const {
+    if (recording_ != nullptr) throw std::runtime_error("OpGraph: cannot replay while recording");
+    py::gil_scoped_release release;
+    for (const auto& step : steps_) step();
+  }
+  size_t size() const { return steps_.size(); }
+  static bool recording() { return recording_ != nullptr; }
+
+  // Runs `fn` (without the GIL) and, while a graph records, appends it to that graph.
+  template <typename Fn>
+  static void run(std::initializer_list<const Borrowed*> tensors, Fn fn) {
+    {
+      py::gil_scoped_release release;
+      fn();
+    }
+    if (recording_ == nullptr) return;
+    for (const Borrowed* b : tensors) {
+      if (b->capsule) recording_->keep_alive_.push_back(b->capsule);
+    }
+    recording_->steps_.emplace_back(std::move(fn));
+  }
+
+  // For ops a graph cannot hold (host results, device work): refuse rather than drop them.
+  static void refuse(const std::string& op) {
+    if (recording_ != nullptr) fail(op, "cannot run while an OpGraph records");
+  }
+
+ private:
+  std::vector<std::function<void()>> steps_;
+  std::vector<py::object> keep_alive_;
+  static inline thread_local OpGraph* recording_ = nullptr;  // per thread: others run on
+};
+
 void tree_attention(py::handle q, py::handle k_cache, py::handle v_cache, py::handle cache_rows,
                     py::handle prefix_lens, py::handle tree_mask, py::handle out, float scale,
                     uintptr_t stream) {
@@ -68,11 +120,15 @@ void tree_attention(py::handle q, py::handle k_cache, py::handle v_cache, py::ha
   TreeAttentionArgs args{bq.view,      bk.view,    bv.view,   brows.view,
                          bprefix.view, bmask.view, bout.view, scale};
   check_tree_attention_args(args);
-  py::gil_scoped_release release;
   if (args.q.device == Device::kCPU) {
-    tree_attention_cpu(args);
+    OpGraph::run({&bq, &bk, &bv, &brows, &bprefix, &bmask, &bout}, [args] {
+      check_tree_attention_args(args);
+      tree_attention_cpu(args);
+    });
     return;
   }
+  OpGraph::refuse(op);
+  py::gil_scoped_release release;
 #ifdef SPECINFER_WITH_CUDA
   tree_attention_cuda(args, stream);
 #else
@@ -86,9 +142,12 @@ void linear(py::handle x, py::handle weight, py::handle bias, py::handle out) {
   Borrowed bx = borrow(x, op, "x"), bw = borrow(weight, op, "weight"),
            bout = borrow(out, op, "out");
   Borrowed bbias;
-  if (!bias.is_none()) bbias = borrow(bias, op, "bias");
-  py::gil_scoped_release release;
-  linear_cpu(bx.view, bw.view, bias.is_none() ? nullptr : &bbias.view, bout.view);
+  const bool has_bias = !bias.is_none();
+  if (has_bias) bbias = borrow(bias, op, "bias");
+  OpGraph::run({&bx, &bw, &bout, &bbias},
+               [x = bx.view, w = bw.view, b = bbias.view, out = bout.view, has_bias] {
+                 linear_cpu(x, w, has_bias ? &b : nullptr, out);
+               });
 }
 
 std::vector<std::string> backends() {
@@ -110,6 +169,7 @@ int device_count() {
 void kv_commit(const py::sequence& caches, py::handle cache_rows, py::handle prefix_lens,
                py::handle accepted, uintptr_t stream) {
   const std::string op = "kv_commit";
+  OpGraph::refuse(op);
   std::vector<Borrowed> borrowed;
   KvCommitArgs args;
   for (size_t i = 0; i < caches.size(); ++i) {
@@ -140,6 +200,7 @@ void kv_commit(const py::sequence& caches, py::handle cache_rows, py::handle pre
 void topk_expand(py::handle logits, int64_t k, float temperature, py::handle tokens,
                  py::handle probs, uintptr_t stream) {
   const std::string op = "topk_expand";
+  OpGraph::refuse(op);
   Borrowed blogits = borrow(logits, op, "logits"), btokens = borrow(tokens, op, "tokens"),
            bprobs = borrow(probs, op, "probs");
   check_topk_expand_args(blogits.view, k, temperature, btokens.view, bprobs.view);
@@ -161,24 +222,28 @@ void rms_norm(py::handle x, py::handle weight, py::handle residual, py::handle o
   Borrowed bx = borrow(x, op, "x"), bw = borrow(weight, op, "weight"),
            bout = borrow(out, op, "out");
   Borrowed bres;
-  if (!residual.is_none()) bres = borrow(residual, op, "residual");
-  py::gil_scoped_release release;
-  rms_norm_cpu(bx.view, bw.view, residual.is_none() ? nullptr : &bres.view, bout.view, eps);
+  const bool has_residual = !residual.is_none();
+  if (has_residual) bres = borrow(residual, op, "residual");
+  OpGraph::run({&bx, &bw, &bout, &bres},
+               [x = bx.view, w = bw.view, res = bres.view, out = bout.view, has_residual, eps] {
+                 rms_norm_cpu(x, w, has_residual ? &res : nullptr, out, eps);
+               });
 }
 
 void rotary(py::handle q, py::handle k, py::handle cos, py::handle sin, py::handle positions) {
   const std::string op = "rotary";
   Borrowed bq = borrow(q, op, "q"), bk = borrow(k, op, "k"), bcos = borrow(cos, op, "cos"),
            bsin = borrow(sin, op, "sin"), bpos = borrow(positions, op, "positions");
-  py::gil_scoped_release release;
-  rotary_cpu(bq.view, bk.view, bcos.view, bsin.view, bpos.view);
+  OpGraph::run({&bq, &bk, &bcos, &bsin, &bpos},
+               [q = bq.view, k = bk.view, c = bcos.view, s = bsin.view, pos = bpos.view] {
+                 rotary_cpu(q, k, c, s, pos);
+               });
 }
 
 void silu_mul(py::handle x, py::handle out) {
   const std::string op = "silu_mul";
   Borrowed bx = borrow(x, op, "x"), bout = borrow(out, op, "out");
-  py::gil_scoped_release release;
-  silu_mul_cpu(bx.view, bout.view);
+  OpGraph::run({&bx, &bout}, [x = bx.view, out = bout.view] { silu_mul_cpu(x, out); });
 }
 
 void kv_write(py::handle k_cache, py::handle v_cache, py::handle k, py::handle v,
@@ -187,14 +252,16 @@ void kv_write(py::handle k_cache, py::handle v_cache, py::handle k, py::handle v
   Borrowed bkc = borrow(k_cache, op, "k_cache"), bvc = borrow(v_cache, op, "v_cache"),
            bk = borrow(k, op, "k"), bv = borrow(v, op, "v"),
            brows = borrow(cache_rows, op, "cache_rows"), bslots = borrow(slots, op, "slots");
-  py::gil_scoped_release release;
-  kv_write_cpu(bkc.view, bvc.view, bk.view, bv.view, brows.view, bslots.view);
+  OpGraph::run({&bkc, &bvc, &bk, &bv, &brows, &bslots},
+               [kc = bkc.view, vc = bvc.view, k = bk.view, v = bv.view, rows = brows.view,
+                slots = bslots.view] { kv_write_cpu(kc, vc, k, v, rows, slots); });
 }
 
 using VerifyResult = std::pair<std::vector<int64_t>, int64_t>;
 
 VerifyResult verify_greedy(py::handle parents, py::handle tokens, py::handle target_argmax) {
   const std::string op = "verify_greedy";
+  OpGraph::refuse(op);
   Borrowed bp = borrow(parents, op, "parents"), bt = borrow(tokens, op, "tokens"),
            ba = borrow(target_argmax, op, "target_argmax");
   py::gil_scoped_release release;
@@ -205,6 +272,7 @@ VerifyResult verify_stochastic(py::handle parents, py::handle tokens, py::handle
                                py::handle prop_parent, py::handle prop_child, py::handle prop_q,
                                py::handle q, uint64_t seed) {
   const std::string op = "verify_stochastic";
+  OpGraph::refuse(op);
   Borrowed bp = borrow(parents, op, "parents"), bt = borrow(tokens, op, "tokens"),
            bprobs = borrow(p_target, op, "p_target"), bpp = borrow(prop_parent, op, "prop_parent"),
            bpc = borrow(prop_child, op, "prop_child"), bpq = borrow(prop_q, op, "prop_q");
@@ -218,6 +286,7 @@ VerifyResult verify_stochastic(py::handle parents, py::handle tokens, py::handle
 VerifyResult verify_naive(py::handle parents, py::handle tokens, py::handle p_target,
                           uint64_t seed) {
   const std::string op = "verify_naive";
+  OpGraph::refuse(op);
   Borrowed bp = borrow(parents, op, "parents"), bt = borrow(tokens, op, "tokens"),
            bprobs = borrow(p_target, op, "p_target");
   py::gil_scoped_release release;
@@ -235,6 +304,16 @@ PYBIND11_MODULE(_C, m) {
         "`stream` is the cudaStream_t (as int) for CUDA tensors.");
   m.def("linear", &linear, py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"),
         "out = x @ weight.T + bias on cpu (bias may be None); float32 or bfloat16.");
+  py::class_<OpGraph>(m, "OpGraph",
+                      "Records the compiled cpu ops run between begin() and end(); replay() runs "
+                      "them again on the same tensors (current contents) in one call. See "
+                      "specinfer.graphs.")
+      .def(py::init<>())
+      .def("begin", &OpGraph::begin)
+      .def("end", &OpGraph::end)
+      .def("replay", &OpGraph::replay)
+      .def("__len__", &OpGraph::size);
+  m.def("is_recording", &OpGraph::recording, "Whether an OpGraph is recording.");
   m.def("backends", &backends, "Backends compiled in, e.g. ['cpu', 'cuda'].");
   m.def("cuda_device_count", &device_count, "Visible CUDA devices; 0 without CUDA or a driver.");
   m.def("kv_commit", &kv_commit, py::arg("caches"), py::arg("cache_rows"), py::arg("prefix_lens"),

@@ -400,7 +400,16 @@ def test_ops_linear_dispatch(monkeypatch):
     w = torch.randn(24, 40, generator=gen)
     calls = []
     monkeypatch.setattr(
-        ops, "_C", type("Spy", (), {"linear": lambda *a: calls.append(a) or _C.linear(*a)})
+        ops,
+        "_C",
+        type(
+            "Spy",
+            (),
+            {
+                "linear": lambda *a: calls.append(a) or _C.linear(*a),
+                "is_recording": _C.is_recording,
+            },
+        ),
     )
     for dtype, rows, expect in [
         (torch.bfloat16, 64, 1),

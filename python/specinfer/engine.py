@@ -17,6 +17,7 @@ import torch
 from specinfer import ops, verify
 from specinfer.default_model import default_model_path
 from specinfer.drafting import build_drafter
+from specinfer.graphs import GraphRunner
 from specinfer.loader import load_model
 from specinfer.sampling import SamplingParams, make_generator, next_token, probabilities
 from specinfer.streaming import TextStream
@@ -102,6 +103,7 @@ class Engine:
             )
         self.model_path = path
         self.model = load_model(path, dtype=self.dtype, device=self.device)
+        self.run_model = GraphRunner(self.model)
         self.config = self.model.config
         self.tokenizer = TokenizerWrapper.from_path(path)
         self.max_batch_size = max_batch_size
@@ -208,41 +210,44 @@ class Engine:
         if self.drafter:
             self.drafter.reset(rows, max(r.max_len for r in requests) + room)
         free_rows, waiting, active = list(range(rows)), list(requests), []
-        while waiting or active:
-            if waiting and free_rows:  # admit; prompts of equal length share one prefill
-                admitted = [waiting.pop(0) for _ in range(min(len(waiting), len(free_rows)))]
-                for length in dict.fromkeys(len(r.prompt_ids) for r in admitted):
-                    group = [r for r in admitted if len(r.prompt_ids) == length]
-                    for r in group:
-                        r.row = free_rows.pop()
-                        if self.drafter:
-                            self.drafter.admit(r.row)
+        try:
+            while waiting or active:
+                if waiting and free_rows:  # admit; prompts of equal length share one prefill
+                    admitted = [waiting.pop(0) for _ in range(min(len(waiting), len(free_rows)))]
+                    for length in dict.fromkeys(len(r.prompt_ids) for r in admitted):
+                        group = [r for r in admitted if len(r.prompt_ids) == length]
+                        for r in group:
+                            r.row = free_rows.pop()
+                            if self.drafter:
+                                self.drafter.admit(r.row)
+                        t0 = time.perf_counter()
+                        logits = self._forward(kv, group, [r.prompt_ids for r in group])
+                        for r, lg in zip(group, logits):
+                            r.metrics["prefill_s"] = time.perf_counter() - t0
+                            yield from self._append(r, [next_token(lg, r.params, r.generator)])
+                            if r.finish_reason is None:
+                                active.append(r)
+                            else:
+                                free_rows.append(r.row)
+                if not active:
+                    continue
+                if self.drafter is None:
                     t0 = time.perf_counter()
-                    logits = self._forward(kv, group, [r.prompt_ids for r in group])
-                    for r, lg in zip(group, logits):
-                        r.metrics["prefill_s"] = time.perf_counter() - t0
-                        yield from self._append(r, [next_token(lg, r.params, r.generator)])
-                        if r.finish_reason is None:
-                            active.append(r)
-                        else:
-                            free_rows.append(r.row)
-            if not active:
-                continue
-            if self.drafter is None:
-                t0 = time.perf_counter()
-                logits = self._forward(kv, active, [[r.output_ids[-1]] for r in active])
-                new_tokens = [
-                    [next_token(lg, r.params, r.generator)] for r, lg in zip(active, logits)
-                ]
-                for r in active:
-                    r.metrics["target_s"] += time.perf_counter() - t0
-            else:
-                new_tokens = self._speculative_step(kv, active)
-            for r, tokens in zip(active, new_tokens):
-                r.metrics["steps"] += 1
-                yield from self._append(r, tokens)
-            free_rows += [r.row for r in active if r.finish_reason is not None]
-            active = [r for r in active if r.finish_reason is None]
+                    logits = self._forward(kv, active, [[r.output_ids[-1]] for r in active])
+                    new_tokens = [
+                        [next_token(lg, r.params, r.generator)] for r, lg in zip(active, logits)
+                    ]
+                    for r in active:
+                        r.metrics["target_s"] += time.perf_counter() - t0
+                else:
+                    new_tokens = self._speculative_step(kv, active)
+                for r, tokens in zip(active, new_tokens):
+                    r.metrics["steps"] += 1
+                    yield from self._append(r, tokens)
+                free_rows += [r.row for r in active if r.finish_reason is not None]
+                active = [r for r in active if r.finish_reason is None]
+        finally:  # graphs hold the cache; let it go with the batch
+            self.run_model.release()
 
     def _forward(self, kv, batch: list[_Request], new_ids: list[list[int]]) -> torch.Tensor:
         """Run the new tokens of each request (same count per request); logits of the last one."""
@@ -253,7 +258,7 @@ class Engine:
             device=dev,
         )
         positions = prefix[:, None] + torch.arange(T, device=dev)
-        hidden = self.model(
+        hidden = self.run_model(
             torch.tensor(new_ids, device=dev),
             positions,
             kv,
@@ -282,7 +287,7 @@ class Engine:
         positions = [
             [p + d for d in tree.depths] + [p] * (T - len(tree)) for p, tree in zip(prefix, trees)
         ]
-        hidden = self.model(
+        hidden = self.run_model(
             _pad([tree.tokens for tree in trees], 0, dev), torch.tensor(positions, device=dev), kv, rows,
             torch.tensor(prefix, device=dev), mask.to(dev),
         )  # fmt: skip

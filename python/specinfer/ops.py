@@ -16,6 +16,16 @@ except ImportError:  # pragma: no cover - only when the extension was not built
     _C = None
 
 
+class RecordingRefused(RuntimeError):
+    """A torch op was about to run while an OpGraph records (it would not be replayed)."""
+
+
+def refuse_while_recording(op: str) -> None:
+    """Called by every torch fallback below: a graph recording must hold only compiled ops."""
+    if _C is not None and _C.is_recording():
+        raise RecordingRefused(f"{op} would run in torch, which an OpGraph cannot record")
+
+
 def tree_attention_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -114,6 +124,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """y = x @ weight.T + bias. The single place every model projection goes through, so a
     faster kernel (e.g. a bandwidth-bound bf16 GEMV for decode) can be swapped in here."""
     if not _use_compiled_linear(x, weight, bias):
+        refuse_while_recording("linear")
         return torch.nn.functional.linear(x, weight, bias)
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -237,6 +248,7 @@ def rms_norm(
 ) -> torch.Tensor:
     """The compiled kernel for cpu tensors, else the reference (same semantics)."""
     if not _fused_on_cpu(x):
+        refuse_while_recording("rms_norm")
         return rms_norm_reference(x, weight, eps, residual)
     out = torch.empty_like(x)
     _C.rms_norm(x, weight, residual, out, eps)
@@ -262,6 +274,7 @@ def rotary(
 ) -> None:
     """The compiled kernel for cpu tensors, else the reference (same semantics)."""
     if not _fused_on_cpu(q):
+        refuse_while_recording("rotary")
         return rotary_reference(q, k, cos, sin, positions)
     _C.rotary(q, k, cos, sin, positions)
 
@@ -275,6 +288,7 @@ def silu_mul_reference(x: torch.Tensor) -> torch.Tensor:
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """The compiled kernel for cpu tensors, else the reference (same semantics)."""
     if not _fused_on_cpu(x):
+        refuse_while_recording("silu_mul")
         return silu_mul_reference(x)
     # Sizes as ints: torch.empty parses a torch.Size argument several microseconds slower.
     out = torch.empty(*x.shape[:-1], x.shape[-1] // 2, dtype=x.dtype)
@@ -307,5 +321,6 @@ def kv_write(
 ) -> None:
     """The compiled kernel for cpu tensors of the cache's dtype, else the reference."""
     if not _fused_on_cpu(k) or k.dtype != k_cache.dtype:
+        refuse_while_recording("kv_write")
         return kv_write_reference(k_cache, v_cache, k, v, cache_rows, slots)
     _C.kv_write(k_cache, v_cache, k, v, cache_rows, slots)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from specinfer import ops
+from specinfer.graphs import GraphRunner
 from specinfer.sampling import SamplingParams, probabilities
 from specinfer.tree import TokenTree, TreeConfig
 
@@ -45,6 +46,7 @@ def layer_selected(target: nn.Module, num_layers: int) -> nn.Module:
 class Speculator:
     def __init__(self, model: nn.Module, tree: TreeConfig, name: str = "ssm"):
         self.model = model
+        self.run_model = GraphRunner(model)
         self.tree = tree
         self.name = name
         self.kv = None
@@ -189,7 +191,7 @@ class Speculator:
         mask = (steps[None, :] <= steps[:, None]) & valid[:, None, :] & valid[:, :, None]
         prefix_t = torch.tensor(prefix, device=dev)
         positions = prefix_t[:, None] + steps
-        return self.model(ids, positions, self.kv, rows, prefix_t, mask)
+        return self.run_model(ids, positions, self.kv, rows, prefix_t, mask)
 
     def _forward_level(self, rows, trees: list[TokenTree], ancestors: torch.Tensor,
                        levels: list[range], roots: torch.Tensor, depth: int) -> torch.Tensor:  # fmt: skip
@@ -206,7 +208,7 @@ class Speculator:
         mask = ancestors[b, node[:, :, None], column[:, None, :]]
         ids = _pad([[tree.tokens[n] for n in lv] for tree, lv in zip(trees, levels)], 0, dev)
         prefix = roots + firsts.to(dev)
-        return self.model(ids, roots[:, None].expand(-1, T) + depth, self.kv, rows, prefix,
+        return self.run_model(ids, roots[:, None].expand(-1, T) + depth, self.kv, rows, prefix,
                           mask.to(dev))  # fmt: skip
 
 

@@ -21,6 +21,7 @@ from specinfer.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     divide,
+    tp_world,
 )
 from specinfer.models.config import ModelConfig
 
@@ -132,7 +133,21 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [B, T, H] of T new tokens per request (see `ops.tree_attention`)."""
         T = input_ids.shape[1]
         slots = prefix_lens[:, None] + torch.arange(T, device=input_ids.device)
-        h, residual = self.model.embed_tokens(input_ids), None
+        h = self.embed(input_ids)
+        return self.decode(h, positions, kv, cache_rows, prefix_lens, slots, tree_mask)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    # With SiLU every op of `decode` is a compiled one, so an OpGraph can record it.
+    @property
+    def graph_safe(self) -> bool:
+        return self.config.activation == "silu" and tp_world() == 1
+
+    def decode(self, h, positions, kv, cache_rows, prefix_lens, slots, tree_mask) -> torch.Tensor:
+        """The layers and the final norm over embedded tokens h [B, T, H] (updated in place);
+        new K/V go to cache slots `slots` [B, T]."""
+        residual = None
         for layer in self.model.layers:
             h, residual = layer(
                 h, residual, self.rotary, positions, kv, cache_rows, prefix_lens, slots, tree_mask

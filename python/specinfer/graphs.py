@@ -1,0 +1,121 @@
+"""Replaying a model's decode steps on the CPU without Python: `GraphRunner`.
+
+At decode sizes a step of a small model is ~300 compiled ops, and the Python between them (module
+calls, views, allocations) costs a third of the step. `_C.OpGraph` records the compiled ops of one
+forward and replays them in one call, on the same tensors: the CPU analogue of a CUDA graph. So a
+recorded forward reads its inputs from fixed buffers, which each call refills, and its output lands
+in a fixed buffer too. A graph is recorded per input shape, the second time that shape is seen
+(prefills and odd tree sizes run eagerly), and holds only what its ops touch: one KV cache and its
+intermediate activations.
+
+Only ops of the compiled core can be recorded; a torch op in the recorded region would not be
+replayed. So models opt in (`graph_safe`: every op of their `decode` is compiled), and while a graph
+records, every torch fallback in `specinfer.ops` refuses to run (`ops.refuse_while_recording`):
+a recording that would be incomplete fails, and that shape runs eagerly from then on.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+
+import torch
+
+from specinfer import ops
+
+# SPECINFER_CPU_GRAPHS=0 runs every forward eagerly (e.g. to rule graphs out when debugging).
+ENABLED = os.environ.get("SPECINFER_CPU_GRAPHS", "1") != "0"
+# Rows (batch x new tokens) up to which a forward is recorded: decode steps, trees and SSM levels.
+# Each graph keeps its activations, ~0.4 MB per row for a 30-layer model of width 576.
+MAX_ROWS = 64
+MAX_GRAPHS = 8
+
+
+class _Recorded:
+    """One recorded forward: its input buffers, its output and the op graph between them."""
+
+    def __init__(self, model, kv, inputs: list[torch.Tensor]):
+        self.inputs = [t.clone() for t in inputs]
+        self.graph = ops._C.OpGraph()
+        h, positions, cache_rows, prefix_lens, slots, tree_mask = self.inputs
+        self.graph.begin()
+        try:
+            self.output = model.decode(h, positions, kv, cache_rows, prefix_lens, slots, tree_mask)
+        finally:
+            self.graph.end()
+
+    def replay(self, inputs: list[torch.Tensor]) -> torch.Tensor:
+        for buffer, value in zip(self.inputs, inputs):
+            buffer.copy_(value)
+        self.graph.replay()
+        return self.output.clone()  # the next replay overwrites the buffer
+
+
+class GraphRunner:
+    """`runner(input_ids, positions, kv, cache_rows, prefix_lens, tree_mask)` is
+    `model(...)`, with `model.decode` replayed from a recorded graph where it can be: a graph-safe
+    model on the CPU, in inference mode, with at most MAX_ROWS new tokens in all."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.enabled = (
+            ENABLED
+            and ops._C is not None
+            and hasattr(ops._C, "OpGraph")
+            and getattr(model, "graph_safe", False)
+        )
+        self._graphs: OrderedDict = OrderedDict()
+        self._seen: set = set()  # shapes run once (recorded the next time)
+        self._refused: set = set()  # shapes whose forward used an op a graph cannot hold
+        self._kv = None
+        self.replays = 0  # forwards run from a graph, for tests and profiling
+
+    def __call__(
+        self, input_ids, positions, kv, cache_rows, prefix_lens, tree_mask
+    ) -> torch.Tensor:
+        key = self._key(input_ids, positions, kv, cache_rows, prefix_lens, tree_mask)
+        if key is None:
+            return self.model(input_ids, positions, kv, cache_rows, prefix_lens, tree_mask)
+        slots = prefix_lens[:, None] + torch.arange(input_ids.shape[1])
+        inputs = [self.model.embed(input_ids), positions, cache_rows, prefix_lens, slots, tree_mask]
+        graph = self._graphs.get(key)
+        if graph is not None:
+            self._graphs.move_to_end(key)
+            self.replays += 1
+            return graph.replay(inputs)
+        if key in self._seen:
+            try:
+                graph = _Recorded(self.model, kv, inputs)
+            except ops.RecordingRefused:
+                self._refused.add(key)
+            else:
+                self._graphs[key] = graph
+                if len(self._graphs) > MAX_GRAPHS:
+                    self._graphs.popitem(last=False)
+                return graph.output.clone()
+        self._seen.add(key)
+        h, positions, cache_rows, prefix_lens, slots, tree_mask = inputs
+        return self.model.decode(h, positions, kv, cache_rows, prefix_lens, slots, tree_mask)
+
+    def release(self) -> None:
+        """Drop every graph (and with them the cache and buffers they hold)."""
+        self._graphs.clear()
+        self._seen.clear()
+        self._refused.clear()
+        self._kv = None
+
+    def _key(self, input_ids, positions, kv, cache_rows, prefix_lens, tree_mask):
+        """The graph key of this call, or None when it must run eagerly."""
+        B, T = input_ids.shape
+        if not (self.enabled and input_ids.is_cpu and B * T <= MAX_ROWS):
+            return None
+        if (
+            not torch.is_inference_mode_enabled()
+        ):  # buffers recorded in it can't be refilled outside
+            return None
+        if kv is not self._kv:  # a new cache: graphs of the old one would keep it alive
+            self.release()
+            self._kv = kv
+        key = (tuple(tree_mask.shape), positions.dtype, cache_rows.dtype, prefix_lens.dtype,
+               tree_mask.dtype)  # fmt: skip
+        return None if key in self._refused else key

@@ -1,0 +1,186 @@
+"""Recorded op graphs (specinfer.graphs): a replayed forward is bit-identical to the eager one,
+for decode steps, token trees and SSM levels, and anything a graph cannot hold runs eagerly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specinfer import Engine, SamplingParams, graphs, ops
+from specinfer.graphs import GraphRunner
+from test_models import build_pair
+from test_speculative import _tiny_llama
+
+pytestmark = pytest.mark.skipif(ops._C is None, reason="needs the compiled extension")
+
+
+def _random_tree_mask(B: int, T: int, M: int, gen: torch.Generator) -> torch.Tensor:
+    """Each new node sees itself and a random ancestor chain (parents before children); with
+    M > T the first M - T columns are earlier nodes every row may see."""
+    mask = torch.zeros(B, T, M, dtype=torch.bool)
+    mask[:, :, : M - T] = True
+    for b in range(B):
+        parents = [-1] + [int(torch.randint(-1, i, (1,), generator=gen)) for i in range(1, T)]
+        for i in range(T):
+            j = i
+            while j >= 0:
+                mask[b, i, M - T + j] = True
+                j = parents[j]
+    return mask
+
+
+def _steps(B: int, S: int):
+    """A prefill, decode steps, trees and SSM-style levels (M > T), rows swapped at times."""
+    gen = torch.Generator().manual_seed(0)
+    prefix = torch.zeros(B, dtype=torch.long)
+    shapes = [(7, 7)] + [(1, 1)] * 4 + [(4, 4)] * 3 + [(3, 5)] * 3 + [(1, 1)] * 2
+    for i, (T, M) in enumerate(shapes):
+        rows = torch.arange(B) if i % 3 else torch.arange(B).flip(0)
+        mask = (
+            torch.ones(T, T, dtype=torch.bool).tril().expand(B, T, T).clone()
+            if i == 0 or T == 1
+            else _random_tree_mask(B, T, M, gen)
+        )
+        ids = torch.randint(0, 256, (B, T), generator=gen)
+        positions = prefix[:, None] + torch.randint(0, 2, (B, T), generator=gen).cumsum(1)
+        yield ids, positions, rows, prefix.clone(), mask
+        prefix = prefix + torch.randint(1, T + 1, (B,), generator=gen)  # accepted tokens
+        assert int(prefix.max()) + 8 <= S
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "llama-mha-tied", "llama3-rope"])
+def test_replayed_forwards_equal_eager_ones(tmp_path, name):
+    _, model = build_pair(name, tmp_path, dtype=torch.bfloat16)
+    runner = GraphRunner(model)
+    assert runner.enabled
+    B, S = 2, 64
+    with torch.inference_mode():
+        kv_eager, kv_graph = model.make_kv_cache(B, S), model.make_kv_cache(B, S)
+        for step, (ids, positions, rows, prefix, mask) in enumerate(_steps(B, S)):
+            expected = model(ids, positions, kv_eager, rows, prefix, mask)
+            got = runner(ids, positions, kv_graph, rows, prefix, mask)
+            assert torch.equal(got, expected), f"step {step}: hidden states differ"
+        for a, b in zip(kv_eager.k + kv_eager.v, kv_graph.k + kv_graph.v):
+            assert torch.equal(a, b)
+    # decode (1,1), trees (4,4) and levels (3,5) were each seen again and recorded
+    assert len(runner._graphs) == 3
+
+
+def test_a_forward_with_torch_ops_is_refused_and_runs_eagerly(tmp_path):
+    _, model = build_pair("llama-gqa", tmp_path, dtype=torch.float32)  # fp32 linear is torch's
+    runner = GraphRunner(model)
+    with torch.inference_mode():
+        kv_eager, kv_graph = model.make_kv_cache(1, 64), model.make_kv_cache(1, 64)
+        for ids, positions, rows, prefix, mask in _steps(1, 64):
+            expected = model(ids, positions, kv_eager, rows, prefix, mask)
+            assert torch.equal(runner(ids, positions, kv_graph, rows, prefix, mask), expected)
+    assert not runner._graphs and runner._refused
+
+
+def test_models_that_are_not_graph_safe_run_eagerly(tmp_path):
+    _, opt = build_pair("opt-pre-ln", tmp_path, dtype=torch.bfloat16)
+    assert not GraphRunner(opt).enabled
+
+
+def _decode(runner, kv, position: int, prefix: int, row: int = 0) -> torch.Tensor:
+    """One single-token step of request `row`."""
+    one = torch.ones(1, 1, 1, dtype=torch.bool)
+    ids, rows = torch.tensor([[5]]), torch.tensor([row])
+    return runner(ids, torch.tensor([[position]]), kv, rows, torch.tensor([prefix]), one)
+
+
+def test_a_replay_checks_indices_again(tmp_path):
+    _, model = build_pair("llama-gqa", tmp_path, dtype=torch.bfloat16)
+    runner = GraphRunner(model)
+    with torch.inference_mode():
+        kv = model.make_kv_cache(1, 16)
+        for p in range(3):  # eager, recorded, replayed
+            _decode(runner, kv, p, p)
+        assert runner._graphs and runner.replays == 1
+        with pytest.raises(ValueError, match="kv_write|slot"):
+            _decode(runner, kv, 3, 16)
+        with pytest.raises(ValueError, match="cache_rows|row"):
+            _decode(runner, kv, 3, 3, row=1)
+        _decode(runner, kv, 3, 3)  # the graph still works after a failed replay
+        assert runner.replays == 4
+
+
+def test_a_new_cache_drops_the_graphs_of_the_old_one(tmp_path):
+    _, model = build_pair("llama-gqa", tmp_path, dtype=torch.bfloat16)
+    runner = GraphRunner(model)
+    recorded = []
+    with torch.inference_mode():
+        for kv in (model.make_kv_cache(1, 16), model.make_kv_cache(1, 16)):
+            for p in range(2):
+                _decode(runner, kv, p, p)
+            assert len(runner._graphs) == 1
+            recorded.append(next(iter(runner._graphs.values())))
+    assert recorded[0] is not recorded[1]
+    runner.release()
+    assert not runner._graphs and runner._kv is None
+
+
+def test_op_graph_rules():
+    x, w = torch.randn(1, 8).bfloat16(), torch.randn(4, 8).bfloat16()
+    out = torch.empty(1, 4, dtype=torch.bfloat16)
+    g = ops._C.OpGraph()
+    g.begin()
+    try:
+        with pytest.raises(RuntimeError, match="another graph"):
+            ops._C.OpGraph().begin()
+        with pytest.raises(RuntimeError, match="while recording"):
+            g.replay()
+        with pytest.raises(ValueError, match="kv_commit: cannot run while an OpGraph records"):
+            ops._C.kv_commit([], torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+                             torch.zeros(1, 1, dtype=torch.long))  # fmt: skip
+        with pytest.raises(ops.RecordingRefused, match="linear"):
+            ops.linear(x.float(), w.float())
+        _C_linear_into(x, w, out)
+    finally:
+        g.end()
+    assert len(g) == 1
+    expected = out.clone()
+    out.zero_()
+    x2 = x.clone()
+    x.mul_(2)  # a replay reads the tensors' current contents
+    g.replay()
+    assert torch.equal(out, ops.linear(x, w))
+    x.copy_(x2)
+    g.replay()
+    assert torch.equal(out, expected)
+
+
+def _C_linear_into(x, w, out):
+    ops._C.linear(x, w, None, out)
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16(tmp_path_factory):
+    return _tiny_llama(tmp_path_factory.mktemp("graphs") / "target", seed=3, layers=3)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {},
+        {"ssm": "layers:1", "tree": "2,1,1"},
+        {"ssm": ["layers:2", "ngram"], "tree": ["1,2", None]},
+    ],
+)
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_engine_output_is_the_same_with_and_without_graphs(
+    tiny_bf16, monkeypatch, spec, temperature
+):
+    prompts = [[1, 4, 2, 2, 4, 1], [3, 3, 1]]
+    params = SamplingParams(max_tokens=24, temperature=temperature, seed=7, ignore_eos=True)
+    outs = {}
+    for enabled in (False, True):
+        monkeypatch.setattr(graphs, "ENABLED", enabled)
+        engine = Engine(tiny_bf16, dtype="bfloat16", max_batch_size=2, **spec)
+        outs[enabled] = [c.token_ids for c in engine.generate(prompts, params)]
+        assert engine.run_model.enabled == enabled
+        assert (engine.run_model.replays > 0) == enabled
+        for ssm in getattr(engine.drafter, "ssms", []):
+            if hasattr(ssm, "run_model"):
+                assert (ssm.run_model.replays > 0) == enabled
+    assert outs[True] == outs[False]
