@@ -144,6 +144,23 @@ def test_tree_attention_padding_row_without_prefix_is_zero():
     assert_matches_reference((q, k, v, rows, prefix, mask))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+def test_tree_attention_row_does_not_depend_on_the_block(dtype, head_dim):
+    """A tree node's output equals, bit for bit, that of the node run alone after its ancestors
+    (how incremental decoding would compute it): what makes speculation exactly lossless."""
+    gen = torch.Generator().manual_seed(head_dim)
+    for tokens in (1, 5, 31, 40):
+        parents = [-1] + [int(torch.randint(-1, i, (1,), generator=gen)) for i in range(1, tokens)]
+        q, k, v, rows, prefix, _ = make_case(gen, 2, tokens, [37, 70], (6, 2), head_dim, dtype)
+        mask = tree_mask_from_parents(parents).expand(2, tokens, tokens).contiguous()
+        block = ops.tree_attention(q, k, v, rows, prefix, mask)
+        for i in range(tokens):  # node i alone: its slot is prefix + i, its mask the i + 1 slots
+            alone = ops.tree_attention(q[:, i : i + 1].contiguous(), k, v, rows, prefix + i,
+                                       mask[:, i : i + 1, : i + 1].contiguous())  # fmt: skip
+            assert torch.equal(alone[:, 0], block[:, i]), f"{tokens} tokens, node {i}"
+
+
 def test_tree_attention_requires_grad_and_numpy():
     gen = torch.Generator().manual_seed(1)
     q, k, v, rows, prefix, mask = make_case(gen, 2, 4, [3, 7], (8, 2), 64)
@@ -334,6 +351,24 @@ def test_linear_matches_torch(dtype, rows, n, k, with_bias):
     )
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(out.float(), expected, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(96, 576), (200, 77), (37, 1536), (9, 5)])
+def test_linear_row_does_not_depend_on_the_other_rows(dtype, n, k):
+    """Each output row is summed in the same order whatever the row count, so a tree's (or a
+    batch's) rows equal, bit for bit, the rows computed one at a time."""
+    gen = torch.Generator().manual_seed(n)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    for rows in (2, 3, 4, 5, 8, 9, 17, 64):
+        x = torch.randn(rows, k, generator=gen).to(dtype)
+        out = torch.empty(rows, n, dtype=dtype)
+        _C.linear(x, w, bias, out)
+        for i in range(rows):
+            one = torch.empty(1, n, dtype=dtype)
+            _C.linear(x[i : i + 1], w, bias, one)
+            assert torch.equal(one[0], out[i]), f"{rows} rows, row {i}"
 
 
 def test_linear_strided_rows_and_ops_wrapper():

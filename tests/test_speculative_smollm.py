@@ -154,3 +154,34 @@ def test_the_default_ssm_belongs_to_the_default_model(tmp_path):
         build_drafter(
             "default", None, None, tmp_path / "other.gguf", torch.float32, "cpu", None, False
         )
+
+
+@pytest.fixture(scope="module")
+def incremental_bf16(smollm_gguf):
+    return Engine(smollm_gguf, dtype="bfloat16", max_batch_size=4)
+
+
+@pytest.mark.parametrize(
+    "ssm, tree, mode, batch",
+    [("layers:4", "2,2,1", "tree", 4), ("layers:2", "1,1,1,1", "sequence", 1), (["layers:2", "ngram"], "1,3,1", "tree", 4)],
+)  # fmt: skip
+def test_bfloat16_speculation_is_bit_exact(smollm_gguf, incremental_bf16, ssm, tree, mode, batch):
+    """bfloat16 (the fast dtype, recorded op graphs on): no near-tie allowance. The CPU kernels
+    compute a row the same way whatever rows share the call, so a tree node's logits are exactly
+    those of decoding it alone, and a batch's those of each request alone."""
+    trees = tree if isinstance(ssm, str) else [tree, None]
+    spec = Engine(
+        smollm_gguf, dtype="bfloat16", ssm=ssm, tree=trees, mode=mode, max_batch_size=batch
+    )
+    prompts = (WRITTEN + CHATS)[:4]
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    expected = [c.token_ids for c in incremental_bf16.generate(prompts, params)]
+    assert [c.token_ids for c in spec.generate(prompts, params)] == expected
+
+
+def test_bfloat16_batches_are_bit_exact(smollm_gguf, incremental_bf16):
+    prompts = (WRITTEN + CHATS)[:4]
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    expected = [c.token_ids for c in incremental_bf16.generate(prompts, params)]
+    one_by_one = Engine(smollm_gguf, dtype="bfloat16", max_batch_size=1)
+    assert [c.token_ids for c in one_by_one.generate(prompts, params)] == expected

@@ -105,7 +105,6 @@ struct TileF32Avx512 {
 // and read many times); the weight is converted to float32 as it streams by.
 
 constexpr int64_t kVec = 8;  // floats per ymm register
-constexpr int64_t kLookahead = 1;
 
 int64_t padded(int64_t k) { return (k + kVec - 1) / kVec * kVec; }
 
@@ -139,35 +138,33 @@ void to_float_rows(const T* src, int64_t stride, int64_t rows, int64_t cols, flo
   }
 }
 
-// M == 1 (decode): each weight row in turn against x, so the weight is one sequential stream. Four
-// accumulators hide the FMA latency; the row kLookahead rows ahead is prefetched.
+// M == 1 (decode): weight rows one after another, so the weight is one sequential stream (which
+// the hardware prefetches best); the next row is prefetched as this one is read. One accumulator
+// per row, summed in exactly the order of the tiles below (see run_avx2).
 template <typename T>
 SPECINFER_TARGET(SPECINFER_AVX2)
-void gemv_avx2(const LinearProblem& p, const float* x, int64_t n_begin, int64_t n_end) {
-  const int64_t K = p.K, k_vec = K / kVec * kVec;
+void gemv_avx2(const LinearProblem& p, const float* x, int64_t width, int64_t n_begin,
+               int64_t n_end) {
+  const int64_t k_vec = p.K / kVec * kVec;
   for (int64_t n = n_begin; n < n_end; ++n) {
     const T* w = static_cast<const T*>(p.w) + n * p.w_stride;
-    const T* ahead = w + kLookahead * p.w_stride;
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                     _mm256_setzero_ps()};
-    int64_t k = 0;
-    for (; k + 4 * kVec <= K; k += 4 * kVec) {
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + k), _MM_HINT_T0);
-      for (int u = 0; u < 4; ++u) {
-        acc[u] = _mm256_fmadd_ps(load8(w + k + u * kVec), _mm256_load_ps(x + k + u * kVec), acc[u]);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t k = 0; k < k_vec; k += kVec) {
+      if (k % (64 / sizeof(T)) == 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + p.w_stride + k), _MM_HINT_T0);
       }
+      acc = _mm256_fmadd_ps(_mm256_load_ps(x + k), load8(w + k), acc);
     }
-    for (; k < k_vec; k += kVec) {
-      acc[0] = _mm256_fmadd_ps(load8(w + k), _mm256_load_ps(x + k), acc[0]);
+    if (k_vec < width) {  // the last K % 8 columns, zero-padded like a packed panel
+      alignas(32) float tail[kVec] = {};
+      for (int64_t k = k_vec; k < p.K; ++k) tail[k - k_vec] = to_float(w[k]);
+      acc = _mm256_fmadd_ps(_mm256_load_ps(x + k_vec), _mm256_load_ps(tail), acc);
     }
-    float sum =
-        hsum256(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
-    for (; k < K; ++k) sum += x[k] * to_float(w[k]);
-    store_output<T>(p, 0, n, sum);
+    store_output<T>(p, 0, n, hsum256(acc));
   }
 }
 
-// M > 1: kPanel weight rows meet every x row, MB rows at a time: per 8 columns MB + kPanel loads
+// kPanel weight rows meet every x row, MB rows at a time: per 8 columns MB + kPanel loads
 // feed MB * kPanel FMAs into independent accumulators (4 x 3 = 12, with 3 weight and 1 x register:
 // all 16 ymm). The first tile reads the weight itself and leaves it converted to float32 in a panel
 // (in L1) for the other tiles, so the weight's memory latency overlaps FMAs and it is converted
@@ -264,13 +261,15 @@ void run_avx2(const LinearProblem& p, bool parallel) {
   const int64_t width = padded(p.K);
   float* x = thread_scratch<0>(p.M * width);
   to_float_rows(static_cast<const T*>(p.x), p.x_stride, p.M, p.K, x, width);
-  // Contiguous runs of rows (M == 1) or panels per thread; blocks of 16 rows keep the split even.
-  const int64_t per_block = p.M == 1 ? 16 : kPanel;
+  // Every output is summed in the same order whatever M is (one accumulator per output, 8 lanes
+  // over k, then hsum), so a row's result does not depend on the rows beside it: a token tree's
+  // logits equal, bit for bit, those of decoding its nodes one at a time.
+  const int64_t per_block = p.M == 1 ? 16 : kPanel;  // rows (M == 1) or one panel per block
   const int64_t blocks = (p.N + per_block - 1) / per_block;
 #pragma omp parallel for schedule(static) if (parallel)
   for (int64_t b = 0; b < blocks; ++b) {
     if (p.M == 1) {
-      gemv_avx2<T>(p, x, b * per_block, std::min(p.N, (b + 1) * per_block));
+      gemv_avx2<T>(p, x, width, b * per_block, std::min(p.N, (b + 1) * per_block));
     } else {
       gemm_avx2<T>(p, x, width, b);
     }

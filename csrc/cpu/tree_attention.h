@@ -37,13 +37,6 @@ inline int64_t tree_attention_scratch(int64_t rows, int64_t head_dim) {
   return 2 * rows * head_dim + 2 * rows + rows * kKeyTile + 2 * kKeyTile * head_dim;
 }
 
-SPECINFER_INLINE float dot(const float* a, const float* b, int64_t n) {
-  float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
 // Four dot products of q with consecutive rows of k: four independent accumulator chains instead
 // of one, so the FMA latency is hidden.
 SPECINFER_INLINE void dot4(const float* q, const float* k, int64_t n, float* out) {
@@ -138,10 +131,10 @@ SPECINFER_INLINE void attend_block(const TreeAttentionProblem<T>& p, int64_t b, 
       load_scaled(kbase + (k0 + j) * p.k_stride[2], kt + j * D, D, 1.0f);
       load_scaled(vbase + (k0 + j) * p.v_stride[2], vt + j * D, D, 1.0f);
     }
+    // Always four keys at a time (past kn: stale rows of the tile, never read), so a key's score
+    // does not depend on how many keys the block reads.
     for (int64_t r = 0; r < R; ++r) {
-      int64_t j = 0;
-      for (; j + 4 <= kn; j += 4) dot4(q + r * D, kt + j * D, D, s + r * kKeyTile + j);
-      for (; j < kn; ++j) s[r * kKeyTile + j] = dot(q + r * D, kt + j * D, D);
+      for (int64_t j = 0; j < kn; j += 4) dot4(q + r * D, kt + j * D, D, s + r * kKeyTile + j);
     }
     if (k0 + kn > n) {  // the tile reaches the masked slots: apply the tree mask
       for (int64_t r = 0; r < R; ++r) {
@@ -157,12 +150,12 @@ SPECINFER_INLINE void attend_block(const TreeAttentionProblem<T>& p, int64_t b, 
       for (int64_t j = 0; j < kn; ++j) tile_max = std::max(tile_max, sr[j]);
       if (tile_max == neg_inf) continue;  // nothing visible in this tile
       const float m_new = std::max(m[r], tile_max);
+#pragma omp simd
+      for (int64_t j = 0; j < kn; ++j) sr[j] = fast_exp(sr[j] - m_new);
+      // Summed in key order: keys this row cannot see add exact zeros, so its result is the same
+      // whichever other rows share the block (a tree's node attends as it would decoded alone).
       float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < kn; ++j) {
-        sr[j] = fast_exp(sr[j] - m_new);
-        sum += sr[j];
-      }
+      for (int64_t j = 0; j < kn; ++j) sum += sr[j];
       float* ar = acc + r * D;
       if (m_new != m[r]) {
         const float alpha = fast_exp(m[r] - m_new);
