@@ -138,30 +138,45 @@ void to_float_rows(const T* src, int64_t stride, int64_t rows, int64_t cols, flo
   }
 }
 
-// M == 1 (decode): weight rows one after another, so the weight is one sequential stream (which
-// the hardware prefetches best); the next row is prefetched as this one is read. One accumulator
-// per row, summed in exactly the order of the tiles below (see run_avx2).
+// M == 1 (decode): kRows weight rows at a time, each with one accumulator summed in exactly the
+// order of the tiles below (see run_avx2); kRows independent chains hide the FMA latency. The
+// rows after them are prefetched as these are read.
+constexpr int kRows = 4;
+
+template <typename T, int R>
+SPECINFER_TARGET(SPECINFER_AVX2)
+SPECINFER_INLINE
+    void gemv_rows_avx2(const LinearProblem& p, const float* x, int64_t width, int64_t n) {
+  const int64_t k_vec = p.K / kVec * kVec;
+  const T* w = static_cast<const T*>(p.w) + n * p.w_stride;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < k_vec; k += kVec) {
+    const __m256 xv = _mm256_load_ps(x + k);
+    for (int r = 0; r < R; ++r) {
+      if (k % (64 / sizeof(T)) == 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + (r + R) * p.w_stride + k), _MM_HINT_T0);
+      }
+      acc[r] = _mm256_fmadd_ps(xv, load8(w + r * p.w_stride + k), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (k_vec < width) {  // the last K % 8 columns, zero-padded like a packed panel
+      alignas(32) float tail[kVec] = {};
+      for (int64_t k = k_vec; k < p.K; ++k) tail[k - k_vec] = to_float(w[r * p.w_stride + k]);
+      acc[r] = _mm256_fmadd_ps(_mm256_load_ps(x + k_vec), _mm256_load_ps(tail), acc[r]);
+    }
+    store_output<T>(p, 0, n + r, hsum256(acc[r]));
+  }
+}
+
 template <typename T>
 SPECINFER_TARGET(SPECINFER_AVX2)
 void gemv_avx2(const LinearProblem& p, const float* x, int64_t width, int64_t n_begin,
                int64_t n_end) {
-  const int64_t k_vec = p.K / kVec * kVec;
-  for (int64_t n = n_begin; n < n_end; ++n) {
-    const T* w = static_cast<const T*>(p.w) + n * p.w_stride;
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t k = 0; k < k_vec; k += kVec) {
-      if (k % (64 / sizeof(T)) == 0) {
-        _mm_prefetch(reinterpret_cast<const char*>(w + p.w_stride + k), _MM_HINT_T0);
-      }
-      acc = _mm256_fmadd_ps(_mm256_load_ps(x + k), load8(w + k), acc);
-    }
-    if (k_vec < width) {  // the last K % 8 columns, zero-padded like a packed panel
-      alignas(32) float tail[kVec] = {};
-      for (int64_t k = k_vec; k < p.K; ++k) tail[k - k_vec] = to_float(w[k]);
-      acc = _mm256_fmadd_ps(_mm256_load_ps(x + k_vec), _mm256_load_ps(tail), acc);
-    }
-    store_output<T>(p, 0, n, hsum256(acc));
-  }
+  int64_t n = n_begin;
+  for (; n + kRows <= n_end; n += kRows) gemv_rows_avx2<T, kRows>(p, x, width, n);
+  for (; n < n_end; ++n) gemv_rows_avx2<T, 1>(p, x, width, n);
 }
 
 // kPanel weight rows meet every x row, MB rows at a time: per 8 columns MB + kPanel loads
