@@ -138,101 +138,124 @@ void to_float_rows(const T* src, int64_t stride, int64_t rows, int64_t cols, flo
   }
 }
 
-// M == 1 (decode): kRows weight rows at a time, each with one accumulator summed in exactly the
-// order of the tiles below (see run_avx2); kRows independent chains hide the FMA latency. The
-// rows after them are prefetched as these are read.
-constexpr int kRows = 4;
+// The summation order of every output, whatever M is (so a row's result does not depend on the
+// rows beside it: a token tree's logits equal, bit for bit, those of decoding its nodes one at a
+// time). The padded columns are taken 8 at a time; chunk c goes to accumulator c % kSplit; the
+// result is the horizontal sum of the accumulators added in order. Two chains per output hide
+// the FMA latency of a decode GEMV that walks one weight row at a time.
+constexpr int kSplit = 2;
+constexpr int64_t kStep = kSplit * kVec;
 
-template <typename T, int R>
-SPECINFER_TARGET(SPECINFER_AVX2)
-SPECINFER_INLINE
-    void gemv_rows_avx2(const LinearProblem& p, const float* x, int64_t width, int64_t n) {
-  const int64_t k_vec = p.K / kVec * kVec;
-  const T* w = static_cast<const T*>(p.w) + n * p.w_stride;
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < k_vec; k += kVec) {
-    const __m256 xv = _mm256_load_ps(x + k);
-    for (int r = 0; r < R; ++r) {
-      if (k % (64 / sizeof(T)) == 0) {
-        _mm_prefetch(reinterpret_cast<const char*>(w + (r + R) * p.w_stride + k), _MM_HINT_T0);
-      }
-      acc[r] = _mm256_fmadd_ps(xv, load8(w + r * p.w_stride + k), acc[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    if (k_vec < width) {  // the last K % 8 columns, zero-padded like a packed panel
-      alignas(32) float tail[kVec] = {};
-      for (int64_t k = k_vec; k < p.K; ++k) tail[k - k_vec] = to_float(w[r * p.w_stride + k]);
-      acc[r] = _mm256_fmadd_ps(_mm256_load_ps(x + k_vec), _mm256_load_ps(tail), acc[r]);
-    }
-    store_output<T>(p, 0, n + r, hsum256(acc[r]));
-  }
-}
+// Columns [0, main_cols(K)) are read straight from the weight; the rest (and the zero padding up
+// to the padded width) from a zero-padded copy.
+int64_t main_cols(int64_t K) { return K / kStep * kStep; }
 
+// M == 1 (decode): weight rows one after another, so the weight is one sequential stream, which
+// the hardware prefetches best; the next row is prefetched as this one is read.
 template <typename T>
 SPECINFER_TARGET(SPECINFER_AVX2)
 void gemv_avx2(const LinearProblem& p, const float* x, int64_t width, int64_t n_begin,
                int64_t n_end) {
-  int64_t n = n_begin;
-  for (; n + kRows <= n_end; n += kRows) gemv_rows_avx2<T, kRows>(p, x, width, n);
-  for (; n < n_end; ++n) gemv_rows_avx2<T, 1>(p, x, width, n);
+  const int64_t k_main = main_cols(p.K);
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const T* w = static_cast<const T*>(p.w) + n * p.w_stride;
+    __m256 acc[kSplit];
+    for (int s = 0; s < kSplit; ++s) acc[s] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < k_main; k += kStep) {
+      if (k % (64 / sizeof(T)) < kStep) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + p.w_stride + k), _MM_HINT_T0);
+      }
+      for (int s = 0; s < kSplit; ++s) {
+        acc[s] = _mm256_fmadd_ps(_mm256_load_ps(x + k + s * kVec), load8(w + k + s * kVec), acc[s]);
+      }
+    }
+    if (k_main < width) {
+      alignas(32) float tail[kStep] = {};
+      for (int64_t k = k_main; k < p.K; ++k) tail[k - k_main] = to_float(w[k]);
+      for (int s = 0; k_main + s * kVec < width; ++s) {
+        acc[s] = _mm256_fmadd_ps(_mm256_load_ps(x + k_main + s * kVec),
+                                 _mm256_load_ps(tail + s * kVec), acc[s]);
+      }
+    }
+    __m256 sum = acc[0];
+    for (int s = 1; s < kSplit; ++s) sum = _mm256_add_ps(sum, acc[s]);
+    store_output<T>(p, 0, n, hsum256(sum));
+  }
 }
 
-// kPanel weight rows meet every x row, MB rows at a time: per 8 columns MB + kPanel loads
-// feed MB * kPanel FMAs into independent accumulators (4 x 3 = 12, with 3 weight and 1 x register:
-// all 16 ymm). The first tile reads the weight itself and leaves it converted to float32 in a panel
-// (in L1) for the other tiles, so the weight's memory latency overlaps FMAs and it is converted
-// once.
-constexpr int kPanel = 3, kMaxMB = 4;
+// Tiles: one weight row (kPanel) meets every x row, MB at a time: per 8 columns 1 + MB loads feed
+// MB FMAs into kSplit x MB accumulators (8, plus 1 weight and 1 x register). One weight row at a
+// time keeps the weight one sequential stream, as in the GEMV (measured: three interleaved rows
+// read ~25% slower). The first tile reads the weight itself and leaves it converted to float32 in
+// a panel (in L1) for the other tiles, so the weight is read and converted once.
+constexpr int kPanel = 1, kMaxMB = 4;
 
-// Columns [k_begin, k_end) of a tile; FromWeight: read w (kPanel rows w_stride apart) and, unless
-// `panel` is null, store it there converted; else read the panel.
+template <int MB>
+using TileAcc = __m256[MB][kPanel];  // one of the kSplit accumulator sets of a tile
+
+// The 8 columns at k of a tile into `acc`; FromWeight: read w (kPanel rows w_stride apart)
+// and, unless `panel` is null, store them there converted; else read the panel.
+template <typename T, int MB, bool FromWeight>
+SPECINFER_TARGET(SPECINFER_AVX2)
+SPECINFER_INLINE void tile_chunk(const float* x, int64_t width, const T* w, int64_t w_stride,
+                                 float* panel, int64_t k, TileAcc<MB>& acc) {
+  __m256 wv[kPanel];
+  for (int j = 0; j < kPanel; ++j) {
+    if (FromWeight) {
+      // The same columns of the next panel's row, once per cache line: the hardware prefetcher
+      // alone does not keep kPanel streams ahead.
+      if (k % (64 / sizeof(T)) == 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + (j + kPanel) * w_stride + k), _MM_HINT_T0);
+      }
+      wv[j] = load8(w + j * w_stride + k);
+      if (panel) _mm256_store_ps(panel + j * width + k, wv[j]);
+    } else {
+      wv[j] = _mm256_load_ps(panel + j * width + k);
+    }
+  }
+  for (int i = 0; i < MB; ++i) {
+    const __m256 xv = _mm256_load_ps(x + i * width + k);
+    for (int j = 0; j < kPanel; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+  }
+}
+
+// Columns [k_begin, k_end) of a tile, k_begin a multiple of kStep (so chunk parity is known).
 template <typename T, int MB, bool FromWeight>
 SPECINFER_TARGET(SPECINFER_AVX2)
 SPECINFER_INLINE
     void tile_columns(const float* x, int64_t width, const T* w, int64_t w_stride, float* panel,
-                      int64_t k_begin, int64_t k_end, __m256 (&acc)[MB][kPanel]) {
-  for (int64_t k = k_begin; k < k_end; k += kVec) {
-    __m256 wv[kPanel];
-    for (int j = 0; j < kPanel; ++j) {
-      if (FromWeight) {
-        // The same columns of the next panel's row, once per cache line: the hardware prefetcher
-        // alone does not keep kPanel streams ahead.
-        if (k % (64 / sizeof(T)) == 0) {
-          _mm_prefetch(reinterpret_cast<const char*>(w + (j + kPanel) * w_stride + k), _MM_HINT_T0);
-        }
-        wv[j] = load8(w + j * w_stride + k);
-        if (panel) _mm256_store_ps(panel + j * width + k, wv[j]);
-      } else {
-        wv[j] = _mm256_load_ps(panel + j * width + k);
-      }
-    }
-    for (int i = 0; i < MB; ++i) {
-      const __m256 xv = _mm256_load_ps(x + i * width + k);
-      for (int j = 0; j < kPanel; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
-    }
+                      int64_t k_begin, int64_t k_end, TileAcc<MB>& acc0, TileAcc<MB>& acc1) {
+  static_assert(kSplit == 2, "one accumulator set per chunk parity below");
+  int64_t k = k_begin;
+  for (; k + kStep <= k_end; k += kStep) {
+    tile_chunk<T, MB, FromWeight>(x, width, w, w_stride, panel, k, acc0);
+    tile_chunk<T, MB, FromWeight>(x, width, w, w_stride, panel, k + kVec, acc1);
   }
+  if (k < k_end) tile_chunk<T, MB, FromWeight>(x, width, w, w_stride, panel, k, acc0);
 }
 
 // Rows m0 .. m0 + MB - 1 against the panel at n0. With `w` (only for a whole panel), the columns
-// before K / 8 * 8 come from the weight, packed on the way when more tiles follow; the panel
-// already holds the rest (the last K % 8 columns and the zero padding).
+// before main_cols(K) come from the weight, packed on the way when more tiles follow; the panel
+// already holds the rest (the last columns and the zero padding).
 template <typename T, int MB>
 SPECINFER_TARGET(SPECINFER_AVX2)
 void panel_tile_avx2(const LinearProblem& p, const float* x, int64_t width, const T* w,
                      float* panel, int64_t m0, int64_t n0) {
-  __m256 acc[MB][kPanel];
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < kPanel; ++j) acc[i][j] = _mm256_setzero_ps();
+  TileAcc<MB> acc0, acc1;
+  for (int i = 0; i < MB; ++i) {
+    for (int j = 0; j < kPanel; ++j) acc0[i][j] = acc1[i][j] = _mm256_setzero_ps();
+  }
   x += m0 * width;
-  const int64_t k_packed = w ? p.K / kVec * kVec : 0;
+  const int64_t k_main = w ? main_cols(p.K) : 0;
   float* pack_to = p.M > kMaxMB ? panel : nullptr;
-  tile_columns<T, MB, true>(x, width, w, p.w_stride, pack_to, 0, k_packed, acc);
-  tile_columns<T, MB, false>(x, width, w, p.w_stride, panel, k_packed, width, acc);
+  tile_columns<T, MB, true>(x, width, w, p.w_stride, pack_to, 0, k_main, acc0, acc1);
+  tile_columns<T, MB, false>(x, width, w, p.w_stride, panel, k_main, width, acc0, acc1);
   const int nb = int(std::min<int64_t>(kPanel, p.N - n0));
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < nb; ++j) store_output<T>(p, m0 + i, n0 + j, hsum256(acc[i][j]));
+  for (int i = 0; i < MB; ++i) {
+    for (int j = 0; j < nb; ++j) {
+      store_output<T>(p, m0 + i, n0 + j, hsum256(_mm256_add_ps(acc0[i][j], acc1[i][j])));
+    }
+  }
 }
 
 template <typename T>
@@ -257,9 +280,9 @@ void gemm_avx2(const LinearProblem& p, const float* x, int64_t width, int64_t pa
   float* panel = thread_scratch<1>(kPanel * width);
   const int64_t n0 = panel_index * kPanel, rows = std::min<int64_t>(kPanel, p.N - n0);
   const T* w = static_cast<const T*>(p.w) + n0 * p.w_stride;
-  // A whole panel is packed by its first tile but for the columns after K / 8 * 8; a last, partial
-  // one is packed here, zero rows included.
-  const int64_t tail = rows == kPanel ? p.K / kVec * kVec : 0;
+  // A whole panel is packed by its first tile but for the columns after main_cols(K); a last,
+  // partial one is packed here, zero rows included.
+  const int64_t tail = rows == kPanel ? main_cols(p.K) : 0;
   for (int64_t j = 0; j < kPanel; ++j) {
     for (int64_t k = tail; k < width; ++k) {
       panel[j * width + k] = j < rows && k < p.K ? to_float(w[j * p.w_stride + k]) : 0.0f;
@@ -276,9 +299,7 @@ void run_avx2(const LinearProblem& p, bool parallel) {
   const int64_t width = padded(p.K);
   float* x = thread_scratch<0>(p.M * width);
   to_float_rows(static_cast<const T*>(p.x), p.x_stride, p.M, p.K, x, width);
-  // Every output is summed in the same order whatever M is (one accumulator per output, 8 lanes
-  // over k, then hsum), so a row's result does not depend on the rows beside it: a token tree's
-  // logits equal, bit for bit, those of decoding its nodes one at a time.
+  // Both paths sum every output in the order given at kSplit.
   const int64_t per_block = p.M == 1 ? 16 : kPanel;  // rows (M == 1) or one panel per block
   const int64_t blocks = (p.N + per_block - 1) / per_block;
 #pragma omp parallel for schedule(static) if (parallel)
