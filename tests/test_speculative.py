@@ -75,6 +75,17 @@ def test_greedy_tree_equals_incremental_tiny(tiny_pair, tree, ssm_kind):
             assert outs[0].metrics["tokens_per_step"] > 2.0
 
 
+def test_a_long_prompt_admitted_beside_a_long_request(tiny_pair):
+    """Continuous batching: a long prompt joins while another request is near the end of its
+    cache row; the SSM catches up on it without padding the other request past its row."""
+    target, other = tiny_pair
+    prompts = [[1, 4, 2], [3, 3, 1], [2, 5] * 15]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (60, 50, 5)]
+    reference = Engine(target, dtype="float32").generate(prompts, params)
+    spec = Engine(target, dtype="float32", ssm=other, tree="1,1", max_batch_size=2)
+    assert [o.token_ids for o in spec.generate(prompts, params)] == [r.token_ids for r in reference]
+
+
 @pytest.mark.parametrize(
     "ssm, tree",
     [

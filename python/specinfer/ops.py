@@ -95,19 +95,18 @@ def tree_attention(
 # and small tree blocks. Measured against torch.nn.functional.linear on all SmolLM2-135M
 # projections (weights cold in memory): bfloat16 1.3-1.5x faster at 1 row and 4-5.5x at 8-64
 # rows; float32 1.06x (1 thread) to 1.6x (2 threads) at 1 row, 1.2-1.8x at 20, but 0.83-0.97x at
-# 64 rows, hence its lower row limit. float32 is opt-in (FAST_LINEAR_FP32 = True or
+# 64 rows, hence its smaller blocks. float32 is opt-in (FAST_LINEAR_FP32 = True or
 # SPECINFER_FAST_LINEAR_FP32=1): its different summation order moves SmolLM2 logits by ~1e-4,
 # just over the 1e-4 tolerance the model tests hold against transformers.
 FAST_LINEAR_FP32 = os.environ.get("SPECINFER_FAST_LINEAR_FP32", "0") == "1"
-FAST_LINEAR_MAX_ROWS = {torch.bfloat16: 64, torch.float32: 32}
+FAST_LINEAR_MAX_ROWS = {torch.bfloat16: 64, torch.float32: 32}  # rows per kernel call
 
 
 def _use_compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     # Runs for every projection of every step: only cheap tests (no device objects, no generators).
     if _C is None or not (x.is_cpu and weight.is_cpu):
         return False
-    max_rows = FAST_LINEAR_MAX_ROWS.get(x.dtype)
-    if max_rows is None or (x.dtype == torch.float32 and not FAST_LINEAR_FP32):
+    if x.dtype not in FAST_LINEAR_MAX_ROWS or (x.dtype == torch.float32 and not FAST_LINEAR_FP32):
         return False
     if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
         return False
@@ -117,7 +116,7 @@ def _use_compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         return False
     if x.dim() == 0 or weight.dim() != 2 or weight.stride(-1) != 1 or x.shape[-1] == 0:
         return False
-    return x.numel() > 0 and (x.dtype == torch.bfloat16 or x.numel() // x.shape[-1] <= max_rows)
+    return x.numel() > 0
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -130,8 +129,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     out = torch.empty(x2.shape[0], weight.shape[0], dtype=x.dtype)
-    # Prompts run bfloat16 in blocks of rows: torch's own CPU bfloat16 matmul is several times
-    # slower than streaming the weight once per block (no fast bf16 GEMM without AVX512-BF16).
+    # Any number of rows runs in blocks through the kernel, never torch: a row's result must not
+    # depend on how many rows share the call (speculation and batching are bit-exact that way),
+    # and torch's CPU bf16 matmul is several times slower anyway (no AVX512-BF16 here).
     step = FAST_LINEAR_MAX_ROWS[x.dtype]
     for i in range(0, x2.shape[0], step):
         _C.linear(x2[i : i + step], weight, bias, out[i : i + step])

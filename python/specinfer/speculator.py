@@ -89,9 +89,8 @@ class Speculator:
         rows = torch.tensor(row_ids, device=dev)
         # Level 0: feed what the SSM has not seen yet (the root, and tokens accepted last step).
         pending = [seq[self.cached[row] :] for row, seq in zip(row_ids, tokens)]
-        hidden = self._forward(rows, pending, [self.cached[row] for row in row_ids])
-        last = torch.tensor([len(p) - 1 for p in pending], device=dev)
-        logits = list(self._logits(hidden[torch.arange(B, device=dev), last]).split(1))
+        last = self._last_hidden(rows, pending, [self.cached[row] for row in row_ids])
+        logits = list(self._logits(last).split(1))
         for row, seq in zip(row_ids, tokens):
             self.cached[row] = len(seq)
         trees = [TokenTree(seq[-1]) for seq in tokens]
@@ -180,6 +179,21 @@ class Speculator:
         parents = torch.tensor([trees[b].parents[n] for b in live for n in frontier[b]])
         ancestors[b, nodes] = ancestors[b, parents]
         ancestors[b, nodes, nodes] = True
+
+    def _last_hidden(self, rows, pending: list[list[int]], cached: list[int]) -> torch.Tensor:
+        """Hidden state [B, H] after each request's pending tokens. Chains no longer than a tree
+        path run together; a longer one (a new request's prompt) runs alone, since padding the
+        others to its length could write past the end of their cache rows."""
+        short = [b for b, p in enumerate(pending) if len(p) <= self.tree.depth + 1]
+        groups = ([short] if short else []) + [[b] for b in range(len(pending)) if b not in short]
+        last = [None] * len(pending)
+        for group in groups:
+            hidden = self._forward(
+                rows[group], [pending[b] for b in group], [cached[b] for b in group]
+            )
+            for i, b in enumerate(group):
+                last[b] = hidden[i, len(pending[b]) - 1]
+        return torch.stack(last)
 
     def _forward(self, rows, chains: list[list[int]], prefix: list[int]) -> torch.Tensor:
         """Run right-padded token chains (causal) after each request's prefix."""
