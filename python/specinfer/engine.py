@@ -198,8 +198,14 @@ class Engine:
 
     # -- the decode loop ------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def _run(self, requests: list[_Request]) -> Iterator[tuple[_Request, str]]:
+        try:
+            yield from self._decode(requests)
+        finally:  # recorded graphs hold the batch's KV cache; let it go with the batch
+            self.run_model.release()
+
+    @torch.inference_mode()
+    def _decode(self, requests: list[_Request]) -> Iterator[tuple[_Request, str]]:
         context = self.config.max_position_embeddings
         for r in requests:
             r.max_len = min(len(r.prompt_ids) + r.params.max_tokens, context)
@@ -210,44 +216,41 @@ class Engine:
         if self.drafter:
             self.drafter.reset(rows, max(r.max_len for r in requests) + room)
         free_rows, waiting, active = list(range(rows)), list(requests), []
-        try:
-            while waiting or active:
-                if waiting and free_rows:  # admit; prompts of equal length share one prefill
-                    admitted = [waiting.pop(0) for _ in range(min(len(waiting), len(free_rows)))]
-                    for length in dict.fromkeys(len(r.prompt_ids) for r in admitted):
-                        group = [r for r in admitted if len(r.prompt_ids) == length]
-                        for r in group:
-                            r.row = free_rows.pop()
-                            if self.drafter:
-                                self.drafter.admit(r.row)
-                        t0 = time.perf_counter()
-                        logits = self._forward(kv, group, [r.prompt_ids for r in group])
-                        for r, lg in zip(group, logits):
-                            r.metrics["prefill_s"] = time.perf_counter() - t0
-                            yield from self._append(r, [next_token(lg, r.params, r.generator)])
-                            if r.finish_reason is None:
-                                active.append(r)
-                            else:
-                                free_rows.append(r.row)
-                if not active:
-                    continue
-                if self.drafter is None:
+        while waiting or active:
+            if waiting and free_rows:  # admit; prompts of equal length share one prefill
+                admitted = [waiting.pop(0) for _ in range(min(len(waiting), len(free_rows)))]
+                for length in dict.fromkeys(len(r.prompt_ids) for r in admitted):
+                    group = [r for r in admitted if len(r.prompt_ids) == length]
+                    for r in group:
+                        r.row = free_rows.pop()
+                        if self.drafter:
+                            self.drafter.admit(r.row)
                     t0 = time.perf_counter()
-                    logits = self._forward(kv, active, [[r.output_ids[-1]] for r in active])
-                    new_tokens = [
-                        [next_token(lg, r.params, r.generator)] for r, lg in zip(active, logits)
-                    ]
-                    for r in active:
-                        r.metrics["target_s"] += time.perf_counter() - t0
-                else:
-                    new_tokens = self._speculative_step(kv, active)
-                for r, tokens in zip(active, new_tokens):
-                    r.metrics["steps"] += 1
-                    yield from self._append(r, tokens)
-                free_rows += [r.row for r in active if r.finish_reason is not None]
-                active = [r for r in active if r.finish_reason is None]
-        finally:  # graphs hold the cache; let it go with the batch
-            self.run_model.release()
+                    logits = self._forward(kv, group, [r.prompt_ids for r in group])
+                    for r, lg in zip(group, logits):
+                        r.metrics["prefill_s"] = time.perf_counter() - t0
+                        yield from self._append(r, [next_token(lg, r.params, r.generator)])
+                        if r.finish_reason is None:
+                            active.append(r)
+                        else:
+                            free_rows.append(r.row)
+            if not active:
+                continue
+            if self.drafter is None:
+                t0 = time.perf_counter()
+                logits = self._forward(kv, active, [[r.output_ids[-1]] for r in active])
+                new_tokens = [
+                    [next_token(lg, r.params, r.generator)] for r, lg in zip(active, logits)
+                ]
+                for r in active:
+                    r.metrics["target_s"] += time.perf_counter() - t0
+            else:
+                new_tokens = self._speculative_step(kv, active)
+            for r, tokens in zip(active, new_tokens):
+                r.metrics["steps"] += 1
+                yield from self._append(r, tokens)
+            free_rows += [r.row for r in active if r.finish_reason is not None]
+            active = [r for r in active if r.finish_reason is None]
 
     def _forward(self, kv, batch: list[_Request], new_ids: list[list[int]]) -> torch.Tensor:
         """Run the new tokens of each request (same count per request); logits of the last one."""
