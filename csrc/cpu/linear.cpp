@@ -183,114 +183,59 @@ void gemv_avx2(const LinearProblem& p, const float* x, int64_t width, int64_t n_
   }
 }
 
-// Tiles: one weight row (kPanel) meets every x row, MB at a time: per 8 columns 1 + MB loads feed
-// MB FMAs into kSplit x MB accumulators (8, plus 1 weight and 1 x register). One weight row at a
-// time keeps the weight one sequential stream, as in the GEMV (measured: three interleaved rows
-// read ~25% slower). The first tile reads the weight itself and leaves it converted to float32 in
-// a panel (in L1) for the other tiles, so the weight is read and converted once.
-constexpr int kPanel = 1, kMaxMB = 4;
+// Tiles (M > 1): a block of kBlockRows weight rows (contiguous in memory, so one sequential
+// read) is converted to float32 into a panel that stays in L1, then every tile of up to kMaxMB x
+// rows meets the whole block: per 8 columns kBlockRows + MB loads feed kBlockRows x MB FMAs. The
+// chunk parities of the kSplit order are summed in separate passes over the panel, so a pass
+// holds only kBlockRows x MB accumulators (12, plus the x registers).
+constexpr int kBlockRows = 4, kMaxMB = 3;
 
-template <int MB>
-using TileAcc = __m256[MB][kPanel];  // one of the kSplit accumulator sets of a tile
-
-// The 8 columns at k of a tile into `acc`; FromWeight: read w (kPanel rows w_stride apart)
-// and, unless `panel` is null, store them there converted; else read the panel.
-template <typename T, int MB, bool FromWeight>
-SPECINFER_TARGET(SPECINFER_AVX2)
-SPECINFER_INLINE void tile_chunk(const float* x, int64_t width, const T* w, int64_t w_stride,
-                                 float* panel, int64_t k, TileAcc<MB>& acc) {
-  __m256 wv[kPanel];
-  for (int j = 0; j < kPanel; ++j) {
-    if (FromWeight) {
-      // The same columns of the next panel's row, once per cache line: the hardware prefetcher
-      // alone does not keep kPanel streams ahead.
-      if (k % (64 / sizeof(T)) == 0) {
-        _mm_prefetch(reinterpret_cast<const char*>(w + (j + kPanel) * w_stride + k), _MM_HINT_T0);
-      }
-      wv[j] = load8(w + j * w_stride + k);
-      if (panel) _mm256_store_ps(panel + j * width + k, wv[j]);
-    } else {
-      wv[j] = _mm256_load_ps(panel + j * width + k);
-    }
-  }
-  for (int i = 0; i < MB; ++i) {
-    const __m256 xv = _mm256_load_ps(x + i * width + k);
-    for (int j = 0; j < kPanel; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
-  }
-}
-
-// Columns [k_begin, k_end) of a tile, k_begin a multiple of kStep (so chunk parity is known).
-template <typename T, int MB, bool FromWeight>
-SPECINFER_TARGET(SPECINFER_AVX2)
-SPECINFER_INLINE
-    void tile_columns(const float* x, int64_t width, const T* w, int64_t w_stride, float* panel,
-                      int64_t k_begin, int64_t k_end, TileAcc<MB>& acc0, TileAcc<MB>& acc1) {
-  static_assert(kSplit == 2, "one accumulator set per chunk parity below");
-  int64_t k = k_begin;
-  for (; k + kStep <= k_end; k += kStep) {
-    tile_chunk<T, MB, FromWeight>(x, width, w, w_stride, panel, k, acc0);
-    tile_chunk<T, MB, FromWeight>(x, width, w, w_stride, panel, k + kVec, acc1);
-  }
-  if (k < k_end) tile_chunk<T, MB, FromWeight>(x, width, w, w_stride, panel, k, acc0);
-}
-
-// Rows m0 .. m0 + MB - 1 against the panel at n0. With `w` (only for a whole panel), the columns
-// before main_cols(K) come from the weight, packed on the way when more tiles follow; the panel
-// already holds the rest (the last columns and the zero padding).
 template <typename T, int MB>
 SPECINFER_TARGET(SPECINFER_AVX2)
-void panel_tile_avx2(const LinearProblem& p, const float* x, int64_t width, const T* w,
-                     float* panel, int64_t m0, int64_t n0) {
-  TileAcc<MB> acc0, acc1;
-  for (int i = 0; i < MB; ++i) {
-    for (int j = 0; j < kPanel; ++j) acc0[i][j] = acc1[i][j] = _mm256_setzero_ps();
-  }
+void block_tile_avx2(const LinearProblem& p, const float* x, int64_t width, const float* panel,
+                     int64_t m0, int64_t n0) {
   x += m0 * width;
-  const int64_t k_main = w ? main_cols(p.K) : 0;
-  float* pack_to = p.M > kMaxMB ? panel : nullptr;
-  tile_columns<T, MB, true>(x, width, w, p.w_stride, pack_to, 0, k_main, acc0, acc1);
-  tile_columns<T, MB, false>(x, width, w, p.w_stride, panel, k_main, width, acc0, acc1);
-  const int nb = int(std::min<int64_t>(kPanel, p.N - n0));
+  __m256 part[kSplit][MB][kBlockRows];
+  for (int s = 0; s < kSplit; ++s) {
+    __m256 acc[MB][kBlockRows];
+    for (int i = 0; i < MB; ++i) {
+      for (int j = 0; j < kBlockRows; ++j) acc[i][j] = _mm256_setzero_ps();
+    }
+    for (int64_t k = s * kVec; k < width; k += kStep) {
+      __m256 xv[MB];
+      for (int i = 0; i < MB; ++i) xv[i] = _mm256_load_ps(x + i * width + k);
+      for (int j = 0; j < kBlockRows; ++j) {
+        const __m256 wv = _mm256_load_ps(panel + j * width + k);
+        for (int i = 0; i < MB; ++i) acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
+      }
+    }
+    for (int i = 0; i < MB; ++i) {
+      for (int j = 0; j < kBlockRows; ++j) part[s][i][j] = acc[i][j];
+    }
+  }
+  static_assert(kSplit == 2, "the sum below adds the two parities");
+  const int nb = int(std::min<int64_t>(kBlockRows, p.N - n0));
   for (int i = 0; i < MB; ++i) {
     for (int j = 0; j < nb; ++j) {
-      store_output<T>(p, m0 + i, n0 + j, hsum256(_mm256_add_ps(acc0[i][j], acc1[i][j])));
+      store_output<T>(p, m0 + i, n0 + j, hsum256(_mm256_add_ps(part[0][i][j], part[1][i][j])));
     }
   }
 }
 
 template <typename T>
 SPECINFER_TARGET(SPECINFER_AVX2)
-void panel_rows_avx2(const LinearProblem& p, const float* x, int64_t width, const T* w,
-                     float* panel, int64_t m0, int64_t n0) {
-  switch (std::min<int64_t>(kMaxMB, p.M - m0)) {
-    case 1:
-      return panel_tile_avx2<T, 1>(p, x, width, w, panel, m0, n0);
-    case 2:
-      return panel_tile_avx2<T, 2>(p, x, width, w, panel, m0, n0);
-    case 3:
-      return panel_tile_avx2<T, 3>(p, x, width, w, panel, m0, n0);
-    default:
-      return panel_tile_avx2<T, kMaxMB>(p, x, width, w, panel, m0, n0);
-  }
-}
-
-template <typename T>
-SPECINFER_TARGET(SPECINFER_AVX2)
-void gemm_avx2(const LinearProblem& p, const float* x, int64_t width, int64_t panel_index) {
-  float* panel = thread_scratch<1>(kPanel * width);
-  const int64_t n0 = panel_index * kPanel, rows = std::min<int64_t>(kPanel, p.N - n0);
-  const T* w = static_cast<const T*>(p.w) + n0 * p.w_stride;
-  // A whole panel is packed by its first tile but for the columns after main_cols(K); a last,
-  // partial one is packed here, zero rows included.
-  const int64_t tail = rows == kPanel ? main_cols(p.K) : 0;
-  for (int64_t j = 0; j < kPanel; ++j) {
-    for (int64_t k = tail; k < width; ++k) {
-      panel[j * width + k] = j < rows && k < p.K ? to_float(w[j * p.w_stride + k]) : 0.0f;
-    }
-  }
-  panel_rows_avx2<T>(p, x, width, rows == kPanel ? w : nullptr, panel, 0, n0);
-  for (int64_t m0 = kMaxMB; m0 < p.M; m0 += kMaxMB) {
-    panel_rows_avx2<T>(p, x, width, nullptr, panel, m0, n0);
+void gemm_block_avx2(const LinearProblem& p, const float* x, int64_t width, int64_t block) {
+  float* panel = thread_scratch<1>(kBlockRows * width);
+  const int64_t n0 = block * kBlockRows, rows = std::min<int64_t>(kBlockRows, p.N - n0);
+  to_float_rows(static_cast<const T*>(p.w) + n0 * p.w_stride, p.w_stride, rows, p.K, panel, width);
+  std::fill(panel + rows * width, panel + kBlockRows * width, 0.0f);
+  // Rows in tiles of nearly equal size (4 rows as 2 + 2, not 3 + 1).
+  for (int64_t m0 = 0, tiles = (p.M + kMaxMB - 1) / kMaxMB; m0 < p.M; --tiles) {
+    const int64_t mb = (p.M - m0 + tiles - 1) / tiles;
+    if (mb == 3) block_tile_avx2<T, 3>(p, x, width, panel, m0, n0);
+    if (mb == 2) block_tile_avx2<T, 2>(p, x, width, panel, m0, n0);
+    if (mb == 1) block_tile_avx2<T, 1>(p, x, width, panel, m0, n0);
+    m0 += mb;
   }
 }
 
@@ -300,14 +245,14 @@ void run_avx2(const LinearProblem& p, bool parallel) {
   float* x = thread_scratch<0>(p.M * width);
   to_float_rows(static_cast<const T*>(p.x), p.x_stride, p.M, p.K, x, width);
   // Both paths sum every output in the order given at kSplit.
-  const int64_t per_block = p.M == 1 ? 16 : kPanel;  // rows (M == 1) or one panel per block
+  const int64_t per_block = p.M == 1 ? 16 : kBlockRows;
   const int64_t blocks = (p.N + per_block - 1) / per_block;
 #pragma omp parallel for schedule(static) if (parallel)
   for (int64_t b = 0; b < blocks; ++b) {
     if (p.M == 1) {
       gemv_avx2<T>(p, x, width, b * per_block, std::min(p.N, (b + 1) * per_block));
     } else {
-      gemm_avx2<T>(p, x, width, b);
+      gemm_block_avx2<T>(p, x, width, b);
     }
   }
 }
