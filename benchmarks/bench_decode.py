@@ -78,18 +78,70 @@ def bench_hf(model_path: Path, dtype: torch.dtype, prompts: list[str], tokens: i
     return per_step_ms(generate, tokens, repeats)
 
 
-def bench_llama_cpp(model_path: Path, threads: int, tokens: int, repeats: int) -> float | None:
-    try:
-        import llama_cpp
-    except ImportError:
-        return None
+def gguf_as(src: Path, dtype: str, out_dir: Path) -> Path:
+    """A copy of the GGUF file `src` with every matrix stored as `dtype` (float32 or bfloat16),
+    dequantised from the original, so llama.cpp decodes the same weights in the same dtype as we
+    do. Vectors (norms) stay float32, as llama.cpp's converter writes them. Cached in out_dir."""
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+
+    target = {"float32": Q.F32, "bfloat16": Q.BF16}[dtype]
+    out = out_dir / f"{src.stem}.{dtype}.gguf"
+    if out.exists():
+        return out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(out.with_suffix(".part"), arch)
+    file_type = {Q.F32: gguf.LlamaFileType.ALL_F32, Q.BF16: gguf.LlamaFileType.MOSTLY_BF16}
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue  # written by GGUFWriter itself
+        value = int(file_type[target]) if field.name == "general.file_type" else field.contents()
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, value, field.types[0], sub_type=sub)
+    for t in reader.tensors:
+        data = gguf.quants.dequantize(t.data, t.tensor_type)
+        kind = target if data.ndim > 1 else Q.F32
+        data = gguf.quants.quantize(data, kind) if kind == Q.BF16 else data
+        writer.add_tensor(t.name, data, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    out.with_suffix(".part").rename(out)
+    return out
+
+
+def bench_llama_cpp(model_path: Path, threads: int, tokens: int, repeats: int) -> float:
+    import llama_cpp
+
     llm = llama_cpp.Llama(str(model_path), n_threads=threads, n_ctx=512, verbose=False)
+
+    no_eos = {llm.token_eos(): -1e9}  # always n tokens, as ignore_eos does for the others
 
     def generate(n):
         llm.reset()
-        llm.create_completion(PROMPTS[0], max_tokens=n, temperature=0.0, ignore_eos=True)
+        llm.create_completion(PROMPTS[0], max_tokens=n, temperature=0.0, logit_bias=no_eos)
 
     return per_step_ms(generate, tokens, repeats)
+
+
+def llama_cpp_rows(model_path: Path, dtypes: list[str], args) -> dict:
+    """llama.cpp at batch 1 on the same weights: the GGUF file as it is (its native, quantised
+    kernels) and converted to each of our dtypes."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return {"note": "llama-cpp-python not installed (pip install llama-cpp-python)"}
+    if model_path.suffix != ".gguf":
+        return {"note": "llama.cpp needs a GGUF model"}
+    result = {"native_ms": bench_llama_cpp(model_path, args.threads, args.tokens, args.repeats)}
+    for dtype in dtypes:
+        path = gguf_as(model_path, dtype, Path(args.gguf_cache))
+        result[f"{dtype}_ms"] = bench_llama_cpp(path, args.threads, args.tokens, args.repeats)
+    print("llama.cpp:", json.dumps(result))
+    return result
 
 
 def read_bandwidth_gbs(threads: int) -> float:
@@ -126,6 +178,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--no-hf", action="store_true", help="skip HF transformers")
     parser.add_argument("--out", default="benchmarks/results/decode.json")
+    parser.add_argument(
+        "--gguf-cache", default="benchmarks/.cache", help="where float32/bfloat16 GGUF copies go"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -149,19 +204,14 @@ def main() -> None:
         model_path = engine.model_path
         del engine
 
-    llama_cpp_ms = None
-    if model_path.suffix == ".gguf":
-        llama_cpp_ms = bench_llama_cpp(model_path, args.threads, args.tokens, args.repeats)
+    llama_cpp = llama_cpp_rows(model_path, args.dtypes, args)
 
     result = {
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads},
         "model": str(args.model or "default (SmolLM2-135M-Instruct Q4_1 GGUF, dequantised)"),
         "tokens": args.tokens,
         "read_bandwidth_gbs": bandwidth,
-        "llama_cpp_ms": llama_cpp_ms,
-        "llama_cpp_note": "same GGUF file, native quantised kernels, batch 1"
-        if llama_cpp_ms
-        else "not installed",
+        "llama_cpp_batch1": llama_cpp,
         "rows": rows,
     }
     save(result, args.out, plot)
@@ -180,8 +230,11 @@ def plot(result: dict, plt):
     for i, (key, name) in enumerate(series):
         values = [r.get(key, 0.0) for r in rows]
         ax.bar([x + i * width for x in range(len(rows))], values, width, label=name)
-    if result["llama_cpp_ms"]:
-        ax.axhline(result["llama_cpp_ms"], color="k", linestyle="--", label="llama.cpp (batch 1)")
+    llama = result.get("llama_cpp_batch1", {})
+    for dtype, style in (("bfloat16", "--"), ("float32", ":")):
+        if f"{dtype}_ms" in llama:
+            ax.axhline(llama[f"{dtype}_ms"], color="k", linestyle=style,
+                       label=f"llama.cpp {dtype}, batch 1")  # fmt: skip
     ax.set_xticks([x + width for x in range(len(rows))], labels)
     ax.set_ylabel("ms per decode step")
     ax.set_title(f"Decode latency, {result['machine']['threads']} threads")
