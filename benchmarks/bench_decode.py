@@ -127,7 +127,7 @@ def bench_llama_cpp(model_path: Path, threads: int, tokens: int, repeats: int) -
     return per_step_ms(generate, tokens, repeats)
 
 
-def llama_cpp_rows(model_path: Path, dtypes: list[str], args) -> dict:
+def llama_cpp_rows(model_path: Path, args) -> dict:
     """llama.cpp at batch 1 on the same weights: the GGUF file as it is (its native, quantised
     kernels) and converted to each of our dtypes."""
     try:
@@ -137,7 +137,7 @@ def llama_cpp_rows(model_path: Path, dtypes: list[str], args) -> dict:
     if model_path.suffix != ".gguf":
         return {"note": "llama.cpp needs a GGUF model"}
     result = {"native_ms": bench_llama_cpp(model_path, args.threads, args.tokens, args.repeats)}
-    for dtype in dtypes:
+    for dtype in args.dtypes:
         path = gguf_as(model_path, dtype, Path(args.gguf_cache))
         result[f"{dtype}_ms"] = bench_llama_cpp(path, args.threads, args.tokens, args.repeats)
     print("llama.cpp:", json.dumps(result))
@@ -204,7 +204,7 @@ def main() -> None:
         model_path = engine.model_path
         del engine
 
-    llama_cpp = llama_cpp_rows(model_path, args.dtypes, args)
+    llama_cpp = llama_cpp_rows(model_path, args)
 
     result = {
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads},

@@ -150,6 +150,13 @@ constexpr int64_t kStep = kSplit * kVec;
 // to the padded width) from a zero-padded copy.
 int64_t main_cols(int64_t K) { return K / kStep * kStep; }
 
+// The end of the kSplit order: the accumulators added in order, then summed horizontally.
+SPECINFER_TARGET(SPECINFER_AVX2) inline float split_sum(const __m256 (&acc)[kSplit]) {
+  __m256 sum = acc[0];
+  for (int s = 1; s < kSplit; ++s) sum = _mm256_add_ps(sum, acc[s]);
+  return hsum256(sum);
+}
+
 // M == 1 (decode): weight rows one after another, so the weight is one sequential stream, which
 // the hardware prefetches best; the next row is prefetched as this one is read.
 template <typename T>
@@ -177,9 +184,7 @@ void gemv_avx2(const LinearProblem& p, const float* x, int64_t width, int64_t n_
                                  _mm256_load_ps(tail + s * kVec), acc[s]);
       }
     }
-    __m256 sum = acc[0];
-    for (int s = 1; s < kSplit; ++s) sum = _mm256_add_ps(sum, acc[s]);
-    store_output<T>(p, 0, n, hsum256(sum));
+    store_output<T>(p, 0, n, split_sum(acc));
   }
 }
 
@@ -195,7 +200,7 @@ SPECINFER_TARGET(SPECINFER_AVX2)
 void block_tile_avx2(const LinearProblem& p, const float* x, int64_t width, const float* panel,
                      int64_t m0, int64_t n0) {
   x += m0 * width;
-  __m256 part[kSplit][MB][kBlockRows];
+  __m256 part[MB][kBlockRows][kSplit];
   for (int s = 0; s < kSplit; ++s) {
     __m256 acc[MB][kBlockRows];
     for (int i = 0; i < MB; ++i) {
@@ -210,14 +215,13 @@ void block_tile_avx2(const LinearProblem& p, const float* x, int64_t width, cons
       }
     }
     for (int i = 0; i < MB; ++i) {
-      for (int j = 0; j < kBlockRows; ++j) part[s][i][j] = acc[i][j];
+      for (int j = 0; j < kBlockRows; ++j) part[i][j][s] = acc[i][j];
     }
   }
-  static_assert(kSplit == 2, "the sum below adds the two parities");
   const int nb = int(std::min<int64_t>(kBlockRows, p.N - n0));
   for (int i = 0; i < MB; ++i) {
     for (int j = 0; j < nb; ++j) {
-      store_output<T>(p, m0 + i, n0 + j, hsum256(_mm256_add_ps(part[0][i][j], part[1][i][j])));
+      store_output<T>(p, m0 + i, n0 + j, split_sum(part[i][j]));
     }
   }
 }
