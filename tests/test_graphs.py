@@ -180,3 +180,35 @@ def test_engine_output_is_the_same_with_and_without_graphs(
             if hasattr(ssm, "run_model"):
                 assert (ssm.run_model.replays > 0) == enabled
     assert outs[True] == outs[False]
+
+
+def test_graphs_are_kept_up_to_a_row_budget(tmp_path, monkeypatch):
+    """An SSM's deep tree cycles through more shapes than a handful: all of them stay recorded
+    (a count cap below the cycle would make LRU miss every time); past the budget of rows the
+    least recently used goes."""
+    _, model = build_pair("llama-gqa", tmp_path, dtype=torch.bfloat16)
+    runner = GraphRunner(model)
+    widths = range(1, 13)  # 12 level shapes, 78 rows in all
+
+    def level(kv, M):
+        mask = torch.ones(1, 1, M, dtype=torch.bool)
+        ids, pos = torch.tensor([[5]]), torch.tensor([[M - 1]])
+        return runner(ids, pos, kv, torch.tensor([0]), torch.tensor([M - 1]), mask)
+
+    def levels(kv, T):
+        mask = torch.ones(T, T, dtype=torch.bool).tril()[None]
+        ids, pos = torch.full((1, T), 5), torch.arange(T)[None]
+        return runner(ids, pos, kv, torch.tensor([0]), torch.tensor([0]), mask)
+
+    with torch.inference_mode():
+        kv = model.make_kv_cache(1, 32)
+        for _ in range(3):  # seen, recorded, replayed
+            for M in widths:
+                level(kv, M)
+        assert len(runner._graphs) == len(widths) and runner.replays == len(widths)
+        monkeypatch.setattr(graphs, "MAX_KEPT_ROWS", 16)
+        for _ in range(2):
+            levels(kv, 8)
+        kept = [key[0] for key in runner._graphs]
+        assert kept[-1] == (1, 8, 8) and sum(b * t for b, t, _ in kept) <= 16
+        assert (1, 1, 12) in kept and (1, 1, 1) not in kept  # the oldest went first

@@ -26,9 +26,11 @@ from specinfer import ops
 # SPECINFER_CPU_GRAPHS=0 runs every forward eagerly (e.g. to rule graphs out when debugging).
 ENABLED = os.environ.get("SPECINFER_CPU_GRAPHS", "1") != "0"
 # Rows (batch x new tokens) up to which a forward is recorded: decode steps, trees and SSM levels.
-# Each graph keeps its activations, ~0.4 MB per row for a 30-layer model of width 576.
 MAX_ROWS = 64
-MAX_GRAPHS = 8
+# Rows of all the graphs kept, least recently used dropped first. Each graph keeps its
+# activations, ~0.4 MB per row for a 30-layer model of width 576. An SSM drafting an 8-level tree
+# cycles through ~10 small shapes a step: fewer graphs than that and LRU misses every time.
+MAX_KEPT_ROWS = 512
 
 
 class _Recorded:
@@ -36,6 +38,7 @@ class _Recorded:
 
     def __init__(self, model, kv, inputs: list[torch.Tensor]):
         self.inputs = [t.clone() for t in inputs]
+        self.rows = inputs[0].shape[0] * inputs[0].shape[1]
         self.graph = ops._C.OpGraph()
         h, positions, cache_rows, prefix_lens, slots, tree_mask = self.inputs
         self.graph.begin()
@@ -90,7 +93,7 @@ class GraphRunner:
                 self._refused.add(key)
             else:
                 self._graphs[key] = graph
-                if len(self._graphs) > MAX_GRAPHS:
+                while sum(g.rows for g in self._graphs.values()) > MAX_KEPT_ROWS:
                     self._graphs.popitem(last=False)
                 return graph.output.clone()
         self._seen.add(key)
