@@ -68,7 +68,7 @@ def tiny(tmp_path_factory):
     path = _tiny_target(root / "target")
     engine = Engine(path, dtype="float32")
     settings = TeacherSettings(str(path), max_new_tokens=8, top_k_logits=6, shard_size=10)
-    examples = make_teacher_data(engine, _prompts(24), settings, root / "teacher")
+    examples = make_teacher_data(engine, engine.model, _prompts(24), settings, root / "teacher")
     return path, engine.model, examples
 
 
@@ -118,18 +118,18 @@ def test_teacher_data_resumes_and_checks_settings(tmp_path, tiny):
     engine = Engine(path, dtype="float32")
     settings = TeacherSettings(str(path), max_new_tokens=5, top_k_logits=3, shard_size=4)
     prompts = _prompts(6)
-    first = make_teacher_data(engine, prompts, settings, tmp_path)
+    first = make_teacher_data(engine, engine.model, prompts, settings, tmp_path)
     assert [len(e["completion"]) for e in first] == [5] * 6
     assert all(e["topk_ids"].shape == (5, 3) for e in first)
     (tmp_path / "shard_00001.pt").unlink()  # as if interrupted while making the second shard
     generated = []
     real_generate = engine.generate
     engine.generate = lambda p, params: generated.extend(p) or real_generate(p, params)
-    again = make_teacher_data(engine, prompts, settings, tmp_path)
+    again = make_teacher_data(engine, engine.model, prompts, settings, tmp_path)
     assert generated == prompts[4:]
     assert [e["completion"] for e in again] == [e["completion"] for e in first]
     with pytest.raises(ValueError, match=r"other settings \(max_new_tokens, top_k_logits differ"):
-        make_teacher_data(engine, prompts, TeacherSettings(str(path), shard_size=4), tmp_path)
+        make_teacher_data(engine, engine.model, prompts, TeacherSettings(str(path), shard_size=4), tmp_path)
 
 
 # -- the student --------------------------------------------------------------------------------
@@ -299,7 +299,7 @@ def test_boosting_removes_covered_prompts(tmp_path):
     path = _tiny_target(tmp_path / "target", layers=2, silent_layers=[1])
     engine = Engine(path, dtype="float32")
     settings = TeacherSettings(str(path), max_new_tokens=6, top_k_logits=4)
-    examples = make_teacher_data(engine, _prompts(10), settings, tmp_path / "teacher")
+    examples = make_teacher_data(engine, engine.model, _prompts(10), settings, tmp_path / "teacher")
     target = load_model(path)
     tokenizer = TokenizerWrapper.from_path(path)
     exact = SSMRecipe(

@@ -35,7 +35,7 @@ def train_ssm(
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     top_k_logits: int = 32,
-    dtype: str = "float32",
+    dtype: str = "bfloat16",
     gen_batch: int = 16,
     settings: TrainSettings | None = None,
     compact: bool = False,
@@ -67,16 +67,16 @@ def train_ssm(
         chat = bool(engine.tokenizer.chat_template)
     teacher = TeacherSettings(str(path), str(engine.dtype).removeprefix("torch."), max_new_tokens,
                               temperature, top_k_logits, chat)  # fmt: skip
+    # Soft targets and the student's starting weights come from float32.
+    target = engine.model if engine.dtype == torch.float32 else load_model(path, torch.float32)
     examples = make_teacher_data(
-        engine, _encode(engine, train_prompts, chat, prompts), teacher, out / "teacher"
+        engine, target, _encode(engine, train_prompts, chat, prompts), teacher, out / "teacher"
     )
     held = make_teacher_data(
-        engine, _encode(engine, held_prompts, chat, held_out), teacher, out / "teacher_held_out",
-        desc="held-out teacher data",
+        engine, target, _encode(engine, held_prompts, chat, held_out), teacher,
+        out / "teacher_held_out", desc="held-out teacher data",
     ) if held_prompts else []  # fmt: skip
     tokenizer = engine.tokenizer
-    # The student starts from float32 weights.
-    target = engine.model if engine.dtype == torch.float32 else load_model(path, torch.float32)
     del engine
     gc.collect()
 

@@ -22,7 +22,7 @@ from specinfer.training.scoring import completion_logits
 @dataclass
 class TeacherSettings:
     model: str
-    dtype: str = "float32"  # of the generating engine and the soft-target forward
+    dtype: str = "bfloat16"  # of the generating engine (soft targets: the float32 scorer)
     max_new_tokens: int = 128
     temperature: float = 0.0  # 0 = greedy completions
     top_k_logits: int = 32
@@ -32,11 +32,13 @@ class TeacherSettings:
 
 
 def make_teacher_data(
-    engine, prompts: list[list[int]], settings: TeacherSettings, out_dir: str | Path,
+    engine, scorer, prompts: list[list[int]], settings: TeacherSettings, out_dir: str | Path,
     desc: str = "teacher data",
 ) -> list[dict]:  # fmt: skip
     """Examples {"prompt", "completion" (token id lists), "topk_ids" int32 [n, K],
-    "topk_logits" float16 [n, K]} for every prompt (token ids), in order."""
+    "topk_logits" float16 [n, K]} for every prompt (token ids), in order. The engine writes the
+    completions (in the dtype it will serve in); `scorer`, the same model in float32, gives the
+    logits (a teacher-forced forward, where torch's float32 matmul is fast on the CPU)."""
     from specinfer.sampling import SamplingParams
 
     out_dir = Path(out_dir)
@@ -71,7 +73,7 @@ def make_teacher_data(
             seqs = [(p, o.token_ids) for p, o in zip(chunk, outs)]
             shard = [
                 _example(p, c, logits, settings.top_k_logits)
-                for (p, c), logits in zip(seqs, completion_logits(engine.model, seqs))
+                for (p, c), logits in zip(seqs, completion_logits(scorer, seqs))
             ]
             tmp = file.with_suffix(".tmp")
             torch.save(shard, tmp)
