@@ -129,7 +129,9 @@ def test_teacher_data_resumes_and_checks_settings(tmp_path, tiny):
     assert generated == prompts[4:]
     assert [e["completion"] for e in again] == [e["completion"] for e in first]
     with pytest.raises(ValueError, match=r"other settings \(max_new_tokens, top_k_logits differ"):
-        make_teacher_data(engine, engine.model, prompts, TeacherSettings(str(path), shard_size=4), tmp_path)
+        make_teacher_data(
+            engine, engine.model, prompts, TeacherSettings(str(path), shard_size=4), tmp_path
+        )
 
 
 # -- the student --------------------------------------------------------------------------------
