@@ -91,10 +91,10 @@ class NgramDrafter:
         return self.config.num_nodes
 
     def reset(self, rows: int, max_seq_len: int) -> None:
-        self.indexes = [self._new_index() for _ in range(rows)]
+        self.indexes = [self.new_index() for _ in range(rows)]
 
     def admit(self, row: int) -> None:
-        self.indexes[row] = self._new_index()
+        self.indexes[row] = self.new_index()
 
     def draft(self, batch: list, tokens: list[list[int]], max_depths: list[int]) -> list[TokenTree]:
         trees = []
@@ -131,5 +131,5 @@ class NgramDrafter:
     def commit(self, batch, prefix, paths, trees, max_depths) -> None:
         """Nothing to keep: the index catches up from the request's tokens at the next draft."""
 
-    def _new_index(self) -> _Index:
+    def new_index(self) -> _Index:
         return _Index(range(self.config.min_n, self.config.max_n + 1))
