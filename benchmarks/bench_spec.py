@@ -11,6 +11,8 @@
 - Per-token latency of incremental vs sequence vs tree at batch 1, 2, 4, 8, 16.
 - Tree configs at batch 1 (--trees): tokens per step and per-token latency of each, to pick
   the best one for a given SSM.
+- N-gram drafters at batch 1 (--ngrams): incremental decoding and each n-gram spec alone, to
+  choose the prompt-lookup default (it needs no SSM, so it is what `specinfer generate` runs).
 - Drafters at batch 1: the n-gram drafter alone, the SSM alone, and both merged into one tree:
   latency, tokens per step, accepted nodes per SSM, and one iteration's time broken down (each
   SSM's drafting, target tree forward, verify, commit).
@@ -41,7 +43,7 @@ STDLIB = ["json", "os.path", "collections", "itertools", "re", "argparse", "csv"
           "datetime.datetime", "subprocess"]  # fmt: skip
 
 
-SECTIONS = ("table1", "table2", "table3", "latency", "trees", "drafters")
+SECTIONS = ("table1", "table2", "table3", "latency", "trees", "drafters", "ngrams")
 
 
 def load_prompts(n: int, file: str | None, chat: bool) -> list:
@@ -140,6 +142,7 @@ def main() -> None:
         nargs="+",
         default=["1,1,1,1", "2,1,1,1", "2,2,1,1", "1,1,3,1,1,1,1,1", "3,2,1,1,1"],
     )
+    parser.add_argument("--ngrams", nargs="+", default=["ngram", "ngram:min_n=2"])
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     parser.add_argument("--out", default="benchmarks/results/spec.json")
     args = parser.parse_args()
@@ -170,6 +173,8 @@ def main() -> None:
                   f"{row['tokens_per_step']:.2f} tokens/step")  # fmt: skip
     if "drafters" in run:
         result["drafters_batch1"] = drafters(base, args, prompts)
+    if "ngrams" in run:
+        result["ngrams_batch1"] = ngrams(base, args.ngrams, prompts, args.tokens)
     save(result, args.out, plot)
 
 
@@ -221,10 +226,21 @@ def drafters(base: dict, args, prompts: list) -> dict:
     return result
 
 
+def ngrams(base: dict, specs: list[str], prompts: list, tokens: int) -> dict:
+    result = {}
+    for spec in [None, *specs]:
+        row = latency_ms(Engine(**{**base, "ssm": spec}), prompts, tokens, batch=1)
+        result[spec or "incremental"] = row
+        print(f"{spec or 'incremental'}: {row['ms_per_token']:.1f} ms/token, "
+              f"{row['tokens_per_step']:.2f} tokens/step")  # fmt: skip
+    return result
+
+
 def plot(result: dict, plt):
     panels = [(key, draw) for key, draw in (("table2_tokens_per_step", _plot_table2),
               ("table3_mss_vs_naive", _plot_table3), ("latency", _plot_latency),
-              ("trees_batch1", _plot_trees), ("drafters_batch1", _plot_breakdown))
+              ("trees_batch1", _plot_trees), ("ngrams_batch1", _plot_ngrams),
+              ("drafters_batch1", _plot_breakdown))
               if key in result]  # fmt: skip
     fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(5 * max(1, len(panels)), 4))
     axes = axes if len(panels) > 1 else [axes]
@@ -256,12 +272,21 @@ def _plot_latency(ax, lat: dict, result: dict) -> None:
 
 
 def _plot_trees(ax, trees: dict, result: dict) -> None:
-    names = list(trees)
-    ax.bar(names, [trees[t]["ms_per_token"] for t in names])
+    _bars(ax, trees, "tree configs at batch 1")
+
+
+def _plot_ngrams(ax, rows: dict, result: dict) -> None:
+    _bars(ax, rows, "n-gram drafters at batch 1")
+
+
+def _bars(ax, rows: dict, title: str) -> None:
+    """ms per token of each row, annotated with its tokens per step."""
+    names = list(rows)
+    ax.bar(names, [rows[t]["ms_per_token"] for t in names])
     for i, t in enumerate(names):
-        ax.annotate(f"{trees[t]['tokens_per_step']:.2f} tok/step", (i, trees[t]["ms_per_token"]),
+        ax.annotate(f"{rows[t]['tokens_per_step']:.2f} tok/step", (i, rows[t]["ms_per_token"]),
                     ha="center", va="bottom", fontsize=8)  # fmt: skip
-    ax.set(title="tree configs at batch 1", ylabel="ms per token")
+    ax.set(title=title, ylabel="ms per token")
     ax.tick_params(axis="x", labelrotation=15)
 
 
