@@ -11,6 +11,9 @@
 - Per-token latency of incremental vs sequence vs tree at batch 1, 2, 4, 8, 16.
 - Tree configs at batch 1 (--trees): tokens per step and per-token latency of each, to pick
   the best one for a given SSM.
+- Rows: one target forward (recorded graph, plus the LM head on every row, as verification
+  does) over a causal chain of T tree nodes at batch 1, T = 1..32, after a real prompt: what
+  each extra node costs, the number every tree size trades against its tokens per step.
 - N-gram drafters at batch 1 (--ngrams): incremental decoding and each n-gram spec alone, to
   choose the prompt-lookup default (it needs no SSM, so it is what `specinfer generate` runs).
 - Drafters at batch 1: the n-gram drafter alone, the SSM alone, and both merged into one tree:
@@ -43,7 +46,7 @@ STDLIB = ["json", "os.path", "collections", "itertools", "re", "argparse", "csv"
           "datetime.datetime", "subprocess"]  # fmt: skip
 
 
-SECTIONS = ("table1", "table2", "table3", "latency", "trees", "drafters", "ngrams")
+SECTIONS = ("table1", "table2", "table3", "latency", "trees", "drafters", "ngrams", "rows")
 
 
 def load_prompts(n: int, file: str | None, chat: bool) -> list:
@@ -173,6 +176,8 @@ def main() -> None:
                   f"{row['tokens_per_step']:.2f} tokens/step")  # fmt: skip
     if "drafters" in run:
         result["drafters_batch1"] = drafters(base, args, prompts)
+    if "rows" in run:
+        result["target_forward_ms_by_rows"] = row_costs(base, prompts)
     if "ngrams" in run:
         result["ngrams_batch1"] = ngrams(base, args.ngrams, prompts, args.tokens)
     save(result, args.out, plot)
@@ -226,6 +231,31 @@ def drafters(base: dict, args, prompts: list) -> dict:
     return result
 
 
+@torch.inference_mode()
+def row_costs(base: dict, prompts: list, reps: int = 10) -> dict:
+    engine = Engine(**{**base, "ssm": None})
+    model, runner = engine.model, engine.run_model
+    prompt = torch.tensor([engine._prompt_ids(0, prompts[0])])
+    P = prompt.shape[1]
+    kv = model.make_kv_cache(1, P + 64)
+    one = torch.zeros(1, dtype=torch.long)
+    causal = torch.ones(P, P, dtype=torch.bool).tril()[None]
+    runner(prompt, torch.arange(P)[None], kv, one, one, causal)
+    result = {}
+    for T in (1, 2, 3, 4, 6, 9, 13, 21, 32):
+        ids, mask = prompt[:, -T:], torch.ones(T, T, dtype=torch.bool).tril()[None]
+        args = (ids, P + torch.arange(T)[None], kv, one, one + P, mask)
+        for _ in range(3):  # eager, recorded, replayed
+            model.compute_logits(runner(*args))
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            model.compute_logits(runner(*args))
+        result[T] = 1000 * (time.perf_counter() - t0) / reps
+        print(f"target forward, {T} rows: {result[T]:.1f} ms")
+    runner.release()
+    return result
+
+
 def ngrams(base: dict, specs: list[str], prompts: list, tokens: int) -> dict:
     result = {}
     for spec in [None, *specs]:
@@ -240,7 +270,7 @@ def plot(result: dict, plt):
     panels = [(key, draw) for key, draw in (("table2_tokens_per_step", _plot_table2),
               ("table3_mss_vs_naive", _plot_table3), ("latency", _plot_latency),
               ("trees_batch1", _plot_trees), ("ngrams_batch1", _plot_ngrams),
-              ("drafters_batch1", _plot_breakdown))
+              ("drafters_batch1", _plot_breakdown), ("target_forward_ms_by_rows", _plot_rows))
               if key in result]  # fmt: skip
     fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(5 * max(1, len(panels)), 4))
     axes = axes if len(panels) > 1 else [axes]
@@ -288,6 +318,12 @@ def _bars(ax, rows: dict, title: str) -> None:
                     ha="center", va="bottom", fontsize=8)  # fmt: skip
     ax.set(title=title, ylabel="ms per token")
     ax.tick_params(axis="x", labelrotation=15)
+
+
+def _plot_rows(ax, rows: dict, result: dict) -> None:
+    ax.plot([int(t) for t in rows], list(rows.values()), marker="o")
+    ax.set(title="target forward + LM head, batch 1", xlabel="tree nodes (rows)",
+           ylabel="ms", ylim=(0, None))  # fmt: skip
 
 
 def _plot_breakdown(ax, drafters: dict, result: dict) -> None:
