@@ -9,8 +9,8 @@
 - Table 2 analog: tokens per step for trees <1,1,w,1,1,1,1,1>, w = 1..5, greedy and stochastic.
 - Table 3 analog: multi-step speculative sampling vs naive sampling, tokens per step.
 - Per-token latency of incremental vs sequence vs tree at batch 1, 2, 4, 8, 16.
-- Tree configs at batch 1 (--trees): tokens per step and per-token latency of each, to pick
-  the best one for a given SSM.
+- Tree configs at batch 1 (--trees, optionally merged with --trees-ngram): tokens per step and
+  per-token latency of each, to pick the best one for a given SSM.
 - Rows: one target forward (recorded graph, plus the LM head on every row, as verification
   does) over a causal chain of T tree nodes at batch 1, T = 1..32, after a real prompt: what
   each extra node costs, the number every tree size trades against its tokens per step.
@@ -145,6 +145,8 @@ def main() -> None:
         nargs="+",
         default=["1,1,1,1", "2,1,1,1", "2,2,1,1", "1,1,3,1,1,1,1,1", "3,2,1,1,1"],
     )
+    parser.add_argument("--trees-ngram", default=None,
+                        help="merge this n-gram drafter into every --trees config")  # fmt: skip
     parser.add_argument("--ngrams", nargs="+", default=["ngram", "ngram:min_n=2"])
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     parser.add_argument("--out", default="benchmarks/results/spec.json")
@@ -155,7 +157,8 @@ def main() -> None:
                 ssm_head=args.ssm_head)  # fmt: skip
     result = {"ssm": args.ssm, "ssm_head": args.ssm_head, "ngram": args.ngram, "dtype": args.dtype,
               "threads": args.threads, "tokens": args.tokens, "prompts": len(prompts),
-              "tree": args.tree, "chat": args.chat, "prompts_file": args.prompts_file}  # fmt: skip
+              "tree": args.tree, "chat": args.chat, "prompts_file": args.prompts_file,
+              "trees_ngram": args.trees_ngram}  # fmt: skip
     run = set(args.sections)
 
     if "table1" in run:
@@ -169,11 +172,7 @@ def main() -> None:
     if "latency" in run:
         result["latency"] = latency(base, args.tree, prompts, args.tokens, args.batches)
     if "trees" in run:
-        result["trees_batch1"] = {t: latency_ms(Engine(**base, tree=t), prompts, args.tokens, batch=1)
-                                  for t in args.trees}  # fmt: skip
-        for t, row in result["trees_batch1"].items():
-            print(f"tree {t}: {row['ms_per_token']:.1f} ms/token, "
-                  f"{row['tokens_per_step']:.2f} tokens/step")  # fmt: skip
+        result["trees_batch1"] = trees_batch1(base, args, prompts)
     if "drafters" in run:
         result["drafters_batch1"] = drafters(base, args, prompts)
     if "rows" in run:
@@ -217,6 +216,20 @@ def latency(base: dict, tree: str, prompts: list, tokens: int, batches: list[int
             f"latency batch {batch}:",
             {m: round(v["ms_per_token"], 1) for m, v in result[batch].items()},
         )
+    return result
+
+
+def trees_batch1(base: dict, args, prompts: list) -> dict:
+    """Each --trees config for the SSM, alone or (--trees-ngram) merged with an n-gram drafter."""
+    result = {}
+    for t in args.trees:
+        if args.trees_ngram:
+            engine = Engine(**{**base, "ssm": [args.ssm, args.trees_ngram]}, tree=[t, None])
+        else:
+            engine = Engine(**base, tree=t)
+        result[t] = row = latency_ms(engine, prompts, args.tokens, batch=1)
+        print(f"tree {t}: {row['ms_per_token']:.1f} ms/token, "
+              f"{row['tokens_per_step']:.2f} tokens/step, {row['breakdown_ms_per_step']}")  # fmt: skip
     return result
 
 
@@ -302,7 +315,8 @@ def _plot_latency(ax, lat: dict, result: dict) -> None:
 
 
 def _plot_trees(ax, trees: dict, result: dict) -> None:
-    _bars(ax, trees, "tree configs at batch 1")
+    merged = f" + {result['trees_ngram']}" if result.get("trees_ngram") else ""
+    _bars(ax, trees, f"tree configs at batch 1{merged}")
 
 
 def _plot_ngrams(ax, rows: dict, result: dict) -> None:
