@@ -161,6 +161,31 @@ def test_tree_attention_row_does_not_depend_on_the_block(dtype, head_dim):
             assert torch.equal(alone[:, 0], block[:, i]), f"{tokens} tokens, node {i}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_tree_node_equals_its_path_decoded_after_commit(dtype, head_dim):
+    """A tree node's output equals, bit for bit, that of the same query decoded alone once its
+    ancestors are committed to consecutive slots (what incremental decoding computes). In the tree
+    those keys sit at gapped slots, so nothing may depend on where key tiles start."""
+    gen = torch.Generator().manual_seed(head_dim)
+    tokens = 12
+    for prefix_len in range(20, 44):  # the tree's slots straddle a key tile boundary
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, tokens)]
+        q, k, v, rows, prefix, _ = make_case(gen, 1, tokens, [prefix_len], (6, 2), head_dim, dtype)
+        mask = tree_mask_from_parents(parents)[None]
+        block = ops.tree_attention(q, k, v, rows, prefix, mask)
+        for i in range(tokens):
+            path = mask[0, i].nonzero()[:, 0].tolist()  # root ... node i, in slot order
+            kc, vc = k.clone(), v.clone()
+            for depth, node in enumerate(path):  # the commit: path node -> slot prefix + depth
+                kc[rows, :, prefix_len + depth] = k[rows, :, prefix_len + node]
+                vc[rows, :, prefix_len + depth] = v[rows, :, prefix_len + node]
+            one = torch.ones(1, 1, 1, dtype=torch.bool)
+            alone = ops.tree_attention(q[:, i : i + 1].contiguous(), kc, vc, rows,
+                                       prefix + len(path) - 1, one)  # fmt: skip
+            assert torch.equal(alone[:, 0], block[:, i]), f"prefix {prefix_len}, node {i}"
+
+
 def test_tree_attention_requires_grad_and_numpy():
     gen = torch.Generator().manual_seed(1)
     q, k, v, rows, prefix, mask = make_case(gen, 2, 4, [3, 7], (8, 2), 64)

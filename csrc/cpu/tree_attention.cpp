@@ -15,14 +15,14 @@ namespace {
 
 template <typename T>
 SPECINFER_INLINE void dispatch_head_dim(const TreeAttentionProblem<T>& p, int64_t b, int64_t h,
-                                        int64_t t0, int64_t t1, float* w) {
+                                        int64_t t0, int64_t t1, int64_t keys, float* w) {
   switch (p.head_dim) {
     case 64:
-      return attend_block<T, 64>(p, b, h, t0, t1, w);
+      return attend_block<T, 64>(p, b, h, t0, t1, keys, w);
     case 128:
-      return attend_block<T, 128>(p, b, h, t0, t1, w);
+      return attend_block<T, 128>(p, b, h, t0, t1, keys, w);
     default:
-      return attend_block<T, 0>(p, b, h, t0, t1, w);
+      return attend_block<T, 0>(p, b, h, t0, t1, keys, w);
   }
 }
 
@@ -31,21 +31,21 @@ SPECINFER_INLINE void dispatch_head_dim(const TreeAttentionProblem<T>& p, int64_
 template <typename T>
 SPECINFER_TARGET(SPECINFER_AVX512)
 void block_avx512(const TreeAttentionProblem<T>& p, int64_t b, int64_t h, int64_t t0, int64_t t1,
-                  float* w) {
-  dispatch_head_dim(p, b, h, t0, t1, w);
+                  int64_t keys, float* w) {
+  dispatch_head_dim(p, b, h, t0, t1, keys, w);
 }
 
 template <typename T>
 SPECINFER_TARGET(SPECINFER_AVX2)
 void block_avx2(const TreeAttentionProblem<T>& p, int64_t b, int64_t h, int64_t t0, int64_t t1,
-                float* w) {
-  dispatch_head_dim(p, b, h, t0, t1, w);
+                int64_t keys, float* w) {
+  dispatch_head_dim(p, b, h, t0, t1, keys, w);
 }
 
 template <typename T>
 void block_generic(const TreeAttentionProblem<T>& p, int64_t b, int64_t h, int64_t t0, int64_t t1,
-                   float* w) {
-  dispatch_head_dim(p, b, h, t0, t1, w);
+                   int64_t keys, float* w) {
+  dispatch_head_dim(p, b, h, t0, t1, keys, w);
 }
 
 template <typename T>
@@ -96,17 +96,21 @@ void run(const TreeAttentionArgs& a, const std::vector<int64_t>& rows,
   }
 
   // Forking threads costs tens of microseconds on a busy 2-core machine: small calls stay serial.
-  int64_t work = 0;
-  for (int64_t b = 0; b < B; ++b) work += (prefix[b] + T_) * T_;
+  int64_t work = 0, max_keys = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    work += (prefix[b] + T_) * T_;
+    max_keys = std::max(max_keys, prefix[b] + T_);
+  }
+  const int64_t keys = tree_attention_key_capacity(max_keys);
   const bool parallel = work * a.q_heads() * a.head_dim() >= (int64_t(1) << 20);
 
 #pragma omp parallel if (parallel)
   {
-    std::vector<float> scratch(tree_attention_scratch(chunk * p.group, p.head_dim));
+    std::vector<float> scratch(tree_attention_scratch(chunk * p.group, p.head_dim, keys));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < items; ++i) {
       const int64_t c = i % chunks, h = (i / chunks) % Hkv, b = i / (chunks * Hkv);
-      block(p, b, h, c * chunk, std::min(T_, (c + 1) * chunk), scratch.data());
+      block(p, b, h, c * chunk, std::min(T_, (c + 1) * chunk), keys, scratch.data());
     }
   }
 }

@@ -1,6 +1,11 @@
 // CPU tree attention: the templated kernel for one work item (request b, KV head h, query tokens
 // [t0, t1)). All the group's query heads are processed together, so each K/V row is loaded once
-// per item and reused for every (token, head) query row; softmax is online over key tiles.
+// per item and reused for every (token, head) query row.
+//
+// Softmax in two passes over key tiles: scores and each row's maximum, then exp, sum and values
+// accumulated key by key. Unlike an online softmax, nothing depends on where tiles start: a tree
+// node sees its ancestors at gapped slots, incremental decoding sees the same keys at consecutive
+// slots after the commit, and keys a row cannot see add exact zeros, so both give the same bits.
 #pragma once
 
 #include <algorithm>
@@ -32,9 +37,15 @@ struct TreeAttentionProblem {
 
 constexpr int64_t kKeyTile = 32;
 
-// Floats of scratch one work item with `rows` query rows needs.
-inline int64_t tree_attention_scratch(int64_t rows, int64_t head_dim) {
-  return 2 * rows * head_dim + 2 * rows + rows * kKeyTile + 2 * kKeyTile * head_dim;
+// Keys a work item's score rows hold: the longest key range, in whole tiles (dot4 writes a
+// tile's last group of four in full).
+inline int64_t tree_attention_key_capacity(int64_t max_keys) {
+  return (max_keys + kKeyTile - 1) / kKeyTile * kKeyTile;
+}
+
+// Floats of scratch one work item with `rows` query rows and `key_capacity` keys needs.
+inline int64_t tree_attention_scratch(int64_t rows, int64_t head_dim, int64_t key_capacity) {
+  return 2 * rows * head_dim + 2 * rows + rows * key_capacity + kKeyTile * head_dim;
 }
 
 // Four dot products of q with consecutive rows of k: four independent accumulator chains instead
@@ -86,15 +97,14 @@ SPECINFER_INLINE void load_scaled(const T* src, float* dst, int64_t n, float sca
 // kD > 0 fixes head_dim at compile time (fully unrolled inner loops); 0 reads it from p.
 template <typename T, int kD>
 SPECINFER_INLINE void attend_block(const TreeAttentionProblem<T>& p, int64_t b, int64_t h,
-                                   int64_t t0, int64_t t1, float* scratch) {
+                                   int64_t t0, int64_t t1, int64_t key_capacity, float* scratch) {
   const int64_t D = kD > 0 ? kD : p.head_dim, G = p.group, R = (t1 - t0) * G;
-  float* q = scratch;             // [R, D], pre-scaled
-  float* acc = q + R * D;         // [R, D]
-  float* m = acc + R * D;         // [R] running max
-  float* l = m + R;               // [R] running sum of exp
-  float* s = l + R;               // [R, kKeyTile] scores, then probabilities
-  float* kt = s + R * kKeyTile;   // [kKeyTile, D]
-  float* vt = kt + kKeyTile * D;  // [kKeyTile, D]
+  float* q = scratch;                // [R, D], pre-scaled
+  float* acc = q + R * D;            // [R, D]
+  float* m = acc + R * D;            // [R] maximum score
+  float* l = m + R;                  // [R] sum of exp
+  float* s = l + R;                  // [R, key_capacity] scores, then probabilities
+  float* kv = s + R * key_capacity;  // [kKeyTile, D] a tile of keys, then of values
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
   // Row r is (token t0 + r / G, query head h * G + r % G).
@@ -125,47 +135,41 @@ SPECINFER_INLINE void attend_block(const TreeAttentionProblem<T>& p, int64_t b, 
   const int64_t row = p.cache_rows[b];
   const T* kbase = p.k + row * p.k_stride[0] + h * p.k_stride[1];
   const T* vbase = p.v + row * p.v_stride[0] + h * p.v_stride[1];
+  // Pass 1: every score (invisible keys -inf) and each row's maximum.
   for (int64_t k0 = 0; k0 < key_end; k0 += kKeyTile) {
     const int64_t kn = std::min(kKeyTile, key_end - k0);
-    for (int64_t j = 0; j < kn; ++j) {
-      load_scaled(kbase + (k0 + j) * p.k_stride[2], kt + j * D, D, 1.0f);
-      load_scaled(vbase + (k0 + j) * p.v_stride[2], vt + j * D, D, 1.0f);
-    }
+    for (int64_t j = 0; j < kn; ++j)
+      load_scaled(kbase + (k0 + j) * p.k_stride[2], kv + j * D, D, 1.0f);
     // Always four keys at a time (past kn: stale rows of the tile, never read), so a key's score
     // does not depend on how many keys the block reads.
     for (int64_t r = 0; r < R; ++r) {
-      for (int64_t j = 0; j < kn; j += 4) dot4(q + r * D, kt + j * D, D, s + r * kKeyTile + j);
+      for (int64_t j = 0; j < kn; j += 4)
+        dot4(q + r * D, kv + j * D, D, s + r * key_capacity + k0 + j);
     }
-    if (k0 + kn > n) {  // the tile reaches the masked slots: apply the tree mask
-      for (int64_t r = 0; r < R; ++r) {
-        const uint8_t* mrow = mask + (t0 + r / G) * p.mask_stride[1];
-        for (int64_t j = std::max<int64_t>(0, n - k0); j < kn; ++j) {
-          if (!mrow[(k0 + j - n) * p.mask_stride[2]]) s[r * kKeyTile + j] = neg_inf;
-        }
-      }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    float* sr = s + r * key_capacity;
+    const uint8_t* mrow = mask + (t0 + r / G) * p.mask_stride[1];
+    for (int64_t j = n; j < key_end; ++j) {
+      if (!mrow[(j - n) * p.mask_stride[2]]) sr[j] = neg_inf;
     }
+    for (int64_t j = 0; j < key_end; ++j) m[r] = std::max(m[r], sr[j]);
+  }
+  // Pass 2: probabilities, their sum and the values, in key order.
+  for (int64_t k0 = 0; k0 < key_end; k0 += kKeyTile) {
+    const int64_t kn = std::min(kKeyTile, key_end - k0);
+    for (int64_t j = 0; j < kn; ++j)
+      load_scaled(vbase + (k0 + j) * p.v_stride[2], kv + j * D, D, 1.0f);
     for (int64_t r = 0; r < R; ++r) {
-      float* sr = s + r * kKeyTile;
-      float tile_max = neg_inf;
-      for (int64_t j = 0; j < kn; ++j) tile_max = std::max(tile_max, sr[j]);
-      if (tile_max == neg_inf) continue;  // nothing visible in this tile
-      const float m_new = std::max(m[r], tile_max);
+      if (m[r] == neg_inf) continue;  // a row that sees nothing
+      float* sr = s + r * key_capacity + k0;
+      const float mr = m[r];
 #pragma omp simd
-      for (int64_t j = 0; j < kn; ++j) sr[j] = fast_exp(sr[j] - m_new);
-      // Summed in key order: keys this row cannot see add exact zeros, so its result is the same
-      // whichever other rows share the block (a tree's node attends as it would decoded alone).
-      float sum = 0.0f;
+      for (int64_t j = 0; j < kn; ++j) sr[j] = fast_exp(sr[j] - mr);
+      float sum = l[r];
       for (int64_t j = 0; j < kn; ++j) sum += sr[j];
-      float* ar = acc + r * D;
-      if (m_new != m[r]) {
-        const float alpha = fast_exp(m[r] - m_new);
-        l[r] *= alpha;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
-        m[r] = m_new;
-      }
-      l[r] += sum;
-      accumulate_values<kD>(ar, sr, vt, kn, D);
+      l[r] = sum;
+      accumulate_values<kD>(acc + r * D, sr, kv, kn, D);
     }
   }
 
