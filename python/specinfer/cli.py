@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=None,
         help="speculative model: a model path, layers:L (the target's first L layers), default "
-        "(the SSM shipped for the default model), or ngram[:max_n=3,min_n=1,depth=5,branches=1] "
+        "(the SSM shipped for the default model), or ngram[:max_n=3,min_n=3,depth=8,branches=1] "
         "(prompt lookup); repeat it to merge their trees. Default: ngram (turn off with --mode "
         "incremental)",
     )
