@@ -17,7 +17,7 @@ a tree, then measure its latency with bench_spec.py (which runs the target).
 from __future__ import annotations
 
 import argparse
-import math
+import sys
 from pathlib import Path
 
 import torch
@@ -125,9 +125,9 @@ def main() -> None:
     print("agreement", {k: round(v, 3) for k, v in result["agreement"].items()})
     print("n-gram alone", {k: round(v, 3) for k, v in result["ngram_alone"].items()})
     for spec in args.trees:
-        widths = TreeConfig.parse(spec, max_nodes=NOT_IN_HEAD).widths  # any size here
-        row = {"nodes": 1 + sum(math.prod(widths[: d + 1]) for d in range(len(widths))),
-               "ssm": tokens_per_step(widths, ranks, None)}  # fmt: skip
+        tree = TreeConfig.parse(spec, max_nodes=sys.maxsize)  # no verification here: any size
+        widths = tree.widths
+        row = {"nodes": tree.num_nodes, "ssm": tokens_per_step(widths, ranks, None)}
         row |= {f"ssm + {s}": tokens_per_step(widths, ranks, a) for s, a in ngrams.items()}
         result["trees"][spec] = row
         print(spec, {k: round(v, 3) for k, v in row.items()})
