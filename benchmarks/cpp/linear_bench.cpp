@@ -43,7 +43,7 @@ void Shapes(benchmark::internal::Benchmark* b) {
   b->ArgNames({"n", "k", "m"});
   for (auto [n, k] : {std::pair{960, 576}, std::pair{576, 576}, std::pair{3072, 576},
                       std::pair{576, 1536}, std::pair{49152, 576}}) {
-    for (int m : {1, 4, 8, 20, 64}) b->Args({n, k, m});
+    for (int m : {1, 2, 3, 4, 6, 8, 13, 20, 64}) b->Args({n, k, m});
   }
   b->Unit(benchmark::kMicrosecond)->UseRealTime();
 }
