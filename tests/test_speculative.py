@@ -176,6 +176,30 @@ def test_head_token_ids_choice(tmp_path):
     assert drafting.head_token_ids(tmp_path, 0, VOCAB) is None
 
 
+def test_ssm_runs_no_forward_for_its_last_level(tiny_pair):
+    """A draft of depth d costs d SSM forwards (the fed tokens, then levels 1..d-1): the last
+    level's nodes are leaves, whose predictions nobody reads."""
+    target, other = tiny_pair
+    engine = Engine(target, dtype="float32", ssm=other, tree="1,2,1")
+    ssm = engine.drafter.ssms[0]
+    forwards, caps = [], []
+    run_model, draft = ssm.run_model, ssm.draft
+
+    def counted_run(*args):
+        forwards[-1] += 1
+        return run_model(*args)
+
+    def counted_draft(batch, tokens, max_depths):
+        forwards.append(0)
+        caps.append(max_depths[0])
+        return draft(batch, tokens, max_depths)
+
+    ssm.run_model, ssm.draft = counted_run, counted_draft
+    engine.generate(PROMPT, SamplingParams(max_tokens=20, ignore_eos=True))
+    assert len(forwards) >= 3
+    assert forwards == [max(1, min(3, cap)) for cap in caps]
+
+
 def test_speculative_metrics_and_bad_configs(tiny_pair):
     target, other = tiny_pair
     engine = Engine(target, dtype="float32", ssm=target, tree="1,2,1")

@@ -109,7 +109,8 @@ class Speculator:
                 self._expand(tree, list(frontier[b]), logits[b], width, r.params, r.generator)
                 frontier[b] = range(start, len(tree))
             self._add_level(ancestors, trees, frontier, live)
-            live = [b for b in live if depth < max_depths[b]]  # leaves need no SSM step
+            # Leaves (the last level, or the request's depth cap) need no SSM step.
+            live = [b for b in live if depth < min(self.tree.depth, max_depths[b])]
             if not live:
                 break
             hidden = self._forward_level(rows[live], [trees[b] for b in live], ancestors[live],
