@@ -3,6 +3,8 @@ for decode steps, token trees and SSM levels, and anything a graph cannot hold r
 
 from __future__ import annotations
 
+from itertools import zip_longest
+
 import pytest
 import torch
 
@@ -62,8 +64,9 @@ def test_replayed_forwards_equal_eager_ones(tmp_path, name):
             assert torch.equal(got, expected), f"step {step}: hidden states differ"
         for a, b in zip(kv_eager.k + kv_eager.v, kv_graph.k + kv_graph.v):
             assert torch.equal(a, b)
-    # decode (1,1), trees (4,4) and levels (3,5) were each seen again and recorded
-    assert len(runner._graphs) == 3
+    # each shape (prefill (7,7), decode (1,1), trees (4,4), levels (3,5)) recorded once, then
+    # replayed: 13 forwards
+    assert len(runner._graphs) == 4 and runner.replays == 13 - 4
 
 
 def test_a_forward_with_torch_ops_is_refused_and_runs_eagerly(tmp_path):
@@ -94,15 +97,15 @@ def test_a_replay_checks_indices_again(tmp_path):
     runner = GraphRunner(model)
     with torch.inference_mode():
         kv = model.make_kv_cache(1, 16)
-        for p in range(3):  # eager, recorded, replayed
+        for p in range(3):  # recorded, replayed, replayed
             _decode(runner, kv, p, p)
-        assert runner._graphs and runner.replays == 1
+        assert runner._graphs and runner.replays == 2
         with pytest.raises(ValueError, match="kv_write|slot"):
             _decode(runner, kv, 3, 16)
         with pytest.raises(ValueError, match="cache_rows|row"):
             _decode(runner, kv, 3, 3, row=1)
         _decode(runner, kv, 3, 3)  # the graph still works after a failed replay
-        assert runner.replays == 4
+        assert runner.replays == 5
 
 
 def test_a_new_cache_drops_the_graphs_of_the_old_one(tmp_path):
@@ -202,13 +205,54 @@ def test_graphs_are_kept_up_to_a_row_budget(tmp_path, monkeypatch):
 
     with torch.inference_mode():
         kv = model.make_kv_cache(1, 32)
-        for _ in range(3):  # seen, recorded, replayed
+        for _ in range(2):  # recorded, replayed
             for M in widths:
                 level(kv, M)
         assert len(runner._graphs) == len(widths) and runner.replays == len(widths)
         monkeypatch.setattr(graphs, "MAX_KEPT_ROWS", 16)
-        for _ in range(2):
-            levels(kv, 8)
+        levels(kv, 8)
         kept = [key[0] for key in runner._graphs]
         assert kept[-1] == (1, 8, 8) and sum(b * t for b, t, _ in kept) <= 16
         assert (1, 1, 12) in kept and (1, 1, 1) not in kept  # the oldest went first
+
+
+@pytest.mark.parametrize("spec", [{}, {"ssm": ["layers:2", "ngram"], "tree": ["1,2", None]}])
+def test_graphs_recorded_in_one_generate_replay_in_the_next(tiny_bf16, spec):
+    """The engine keeps its KV cache (and the SSMs theirs) while the next batch fits, so the
+    second call replays from its first decode step, with the same outputs."""
+    engine = Engine(tiny_bf16, dtype="bfloat16", max_batch_size=2, **spec)
+    prompts = [[1, 4, 2, 2, 4, 1], [3, 3, 1]]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    first = [c.token_ids for c in engine.generate(prompts, params)]
+    runners = [engine.run_model] + [s.run_model for s in getattr(engine.drafter, "ssms", [])
+                                    if hasattr(s, "run_model")]  # fmt: skip
+    graphs_before = [dict(r._graphs) for r in runners]
+    replays_before = [r.replays for r in runners]
+    assert [c.token_ids for c in engine.generate(prompts, params)] == first
+    for runner, before, replays in zip(runners, graphs_before, replays_before):
+        assert all(runner._graphs.get(key) is g for key, g in before.items())
+        assert runner.replays > replays
+    # A longer batch than the cache holds gets a new cache (and new graphs), same outputs.
+    long = SamplingParams(max_tokens=120, ignore_eos=True)
+    longer = [c.token_ids for c in engine.generate(prompts, long)]
+    assert [t[:16] for t in longer] == first
+
+
+def test_interleaved_streams(tiny_bf16):
+    """Two unfinished streams: an incremental engine gives each its own cache; a speculative
+    engine (single-batch SSM state) refuses the second with a clear error."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    engine = Engine(tiny_bf16, dtype="bfloat16")
+    expected = [engine.generate(p, params)[0].text for p in ("t1 t4 t2", "t3 t3")]
+    a, b = engine.stream("t1 t4 t2", params), engine.stream("t3 t3", params)
+    texts = ["", ""]
+    for pieces in zip_longest(a, b, fillvalue=""):  # one step of each in turn
+        texts = [t + p for t, p in zip(texts, pieces)]
+    assert texts == expected
+    spec = Engine(tiny_bf16, dtype="bfloat16", ssm="layers:2", tree="1,1")
+    first = spec.stream("t1 t4 t2", params)
+    next(first)
+    with pytest.raises(RuntimeError, match="unfinished stream"):
+        next(spec.stream("t3 t3", params))
+    first.close()  # closing the stream frees the engine
+    assert spec.generate("t3 t3", params)[0].text == expected[1]

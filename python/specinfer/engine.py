@@ -104,6 +104,8 @@ class Engine:
         self.model_path = path
         self.model = load_model(path, dtype=self.dtype, device=self.device)
         self.run_model = GraphRunner(self.model)
+        self._kept_kv = None  # see _kv_cache
+        self._running = 0  # batches in flight (an unfinished stream() holds one)
         self.config = self.model.config
         self.tokenizer = TokenizerWrapper.from_path(path)
         self.max_batch_size = max_batch_size
@@ -199,10 +201,27 @@ class Engine:
     # -- the decode loop ------------------------------------------------------------------------
 
     def _run(self, requests: list[_Request]) -> Iterator[tuple[_Request, str]]:
+        if self._running and self.drafter:  # the SSMs' caches and state are single-batch
+            raise RuntimeError(
+                "this speculative engine is still running another batch (an unfinished "
+                "stream()): exhaust or close that stream first"
+            )
+        self._running += 1
         try:
             yield from self._decode(requests)
-        finally:  # recorded graphs hold the batch's KV cache; let it go with the batch
-            self.run_model.release()
+        finally:
+            self._running -= 1
+
+    def _kv_cache(self, rows: int, max_seq_len: int):
+        """The KV cache of the previous batch when it is large enough and free, so the graphs
+        recorded over it replay in this batch too; else a new one, kept in its place. A batch
+        fills its rows before reading them, so what the last batch left there does no harm."""
+        kv = self._kept_kv
+        if self._running > 1 or kv is None or kv.rows < rows or kv.max_seq_len < max_seq_len:
+            kv = self.model.make_kv_cache(rows, max_seq_len)
+            if self._running == 1:
+                self._kept_kv = kv
+        return kv
 
     @torch.inference_mode()
     def _decode(self, requests: list[_Request]) -> Iterator[tuple[_Request, str]]:
@@ -212,7 +231,7 @@ class Engine:
         rows = min(self.max_batch_size, len(requests))
         # Room for a tree after the longest sequence (and for padding of batched levels).
         room = 2 * self.drafter.num_nodes if self.drafter else 0
-        kv = self.model.make_kv_cache(rows, max(r.max_len for r in requests) + room)
+        kv = self._kv_cache(rows, max(r.max_len for r in requests) + room)
         if self.drafter:
             self.drafter.reset(rows, max(r.max_len for r in requests) + room)
         free_rows, waiting, active = list(range(rows)), list(requests), []

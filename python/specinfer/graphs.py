@@ -4,9 +4,10 @@ At decode sizes a step of a small model is ~300 compiled ops, and the Python bet
 calls, views, allocations) costs a third of the step. `_C.OpGraph` records the compiled ops of one
 forward and replays them in one call, on the same tensors: the CPU analogue of a CUDA graph. So a
 recorded forward reads its inputs from fixed buffers, which each call refills, and its output lands
-in a fixed buffer too. A graph is recorded per input shape, the second time that shape is seen
-(prefills and odd tree sizes run eagerly), and holds only what its ops touch: one KV cache and its
-intermediate activations.
+in a fixed buffer too. A graph is recorded per input shape, the first time that shape is seen
+(recording runs the ops, so it costs about an eager forward), and holds only what its ops touch:
+one KV cache and its intermediate activations. The engine keeps its KV cache from batch to batch
+when it is large enough, so the graphs recorded in one `generate` replay in the next.
 
 Only ops of the compiled core can be recorded; a torch op in the recorded region would not be
 replayed. So models opt in (`graph_safe`: every op of their `decode` is compiled), and while a graph
@@ -68,7 +69,6 @@ class GraphRunner:
             and getattr(model, "graph_safe", False)
         )
         self._graphs: OrderedDict = OrderedDict()
-        self._seen: set = set()  # shapes run once (recorded the next time)
         self._refused: set = set()  # shapes whose forward used an op a graph cannot hold
         self._kv = None
         self.replays = 0  # forwards run from a graph, for tests and profiling
@@ -86,24 +86,20 @@ class GraphRunner:
             self._graphs.move_to_end(key)
             self.replays += 1
             return graph.replay(inputs)
-        if key in self._seen:
-            try:
-                graph = _Recorded(self.model, kv, inputs)
-            except ops.RecordingRefused:
-                self._refused.add(key)
-            else:
-                self._graphs[key] = graph
-                while sum(g.rows for g in self._graphs.values()) > MAX_KEPT_ROWS:
-                    self._graphs.popitem(last=False)
-                return graph.output.clone()
-        self._seen.add(key)
-        h, positions, cache_rows, prefix_lens, slots, tree_mask = inputs
-        return self.model.decode(h, positions, kv, cache_rows, prefix_lens, slots, tree_mask)
+        try:
+            graph = _Recorded(self.model, kv, inputs)
+        except ops.RecordingRefused:
+            self._refused.add(key)
+            h, positions, cache_rows, prefix_lens, slots, tree_mask = inputs
+            return self.model.decode(h, positions, kv, cache_rows, prefix_lens, slots, tree_mask)
+        self._graphs[key] = graph
+        while sum(g.rows for g in self._graphs.values()) > MAX_KEPT_ROWS:
+            self._graphs.popitem(last=False)
+        return graph.output.clone()
 
     def release(self) -> None:
         """Drop every graph (and with them the cache and buffers they hold)."""
         self._graphs.clear()
-        self._seen.clear()
         self._refused.clear()
         self._kv = None
 

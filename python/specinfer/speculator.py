@@ -73,8 +73,10 @@ class Speculator:
         self.head_weight = weight.detach()[self.head_ids].contiguous()
 
     def reset(self, rows: int, max_seq_len: int) -> None:
-        self.kv = self.model.make_kv_cache(rows, max_seq_len)
-        self.cached = [0] * rows
+        """A new batch: keep the cache (and the graphs recorded over it) if it is large enough."""
+        if self.kv is None or self.kv.rows < rows or self.kv.max_seq_len < max_seq_len:
+            self.kv = self.model.make_kv_cache(rows, max_seq_len)
+        self.cached = [0] * self.kv.rows
 
     def admit(self, row: int) -> None:
         """A new request takes `row`: nothing of it is cached yet."""
