@@ -19,6 +19,11 @@
 - Drafters at batch 1: the n-gram drafter alone, the SSM alone, and both merged into one tree:
   latency, tokens per step, accepted nodes per SSM, and one iteration's time broken down (each
   SSM's drafting, target tree forward, verify, commit).
+- Paired (--paired): incremental decoding and drafting configurations run prompt by prompt in
+  turn (each prompt through every configuration before the next prompt), so drift of a shared
+  machine's speed hits all alike; per-token latency, tokens per step and speedup over incremental.
+  A configuration is "incremental", an n-gram spec, an SSM tree ("1,1": the --ssm with that
+  tree), or an SSM tree merged with an n-gram drafter ("1,1+ngram").
 The prompts are real text nobody here wrote (openings of standard-library docstrings) unless
 --prompts-file gives others; --chat sends each as a user message through the chat template, as
 `specinfer generate` does. Writes JSON and PNG plots next to --out.
@@ -46,7 +51,8 @@ STDLIB = ["json", "os.path", "collections", "itertools", "re", "argparse", "csv"
           "datetime.datetime", "subprocess"]  # fmt: skip
 
 
-SECTIONS = ("table1", "table2", "table3", "latency", "trees", "drafters", "ngrams", "rows")
+SECTIONS = ("table1", "table2", "table3", "latency", "trees", "drafters", "ngrams", "rows",
+            "paired")  # fmt: skip
 
 
 def load_prompts(n: int, file: str | None, chat: bool) -> list:
@@ -148,6 +154,8 @@ def main() -> None:
     parser.add_argument("--trees-ngram", default=None,
                         help="merge this n-gram drafter into every --trees config")  # fmt: skip
     parser.add_argument("--ngrams", nargs="+", default=["ngram", "ngram:min_n=2"])
+    parser.add_argument("--paired", nargs="+", default=["incremental", "ngram", "1+ngram", "1,1+ngram"],
+                        help="configurations of the paired section")  # fmt: skip
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     parser.add_argument("--out", default="benchmarks/results/spec.json")
     args = parser.parse_args()
@@ -179,6 +187,8 @@ def main() -> None:
         result["target_forward_ms_by_rows"] = row_costs(base, prompts)
     if "ngrams" in run:
         result["ngrams_batch1"] = ngrams(base, args.ngrams, prompts, args.tokens)
+    if "paired" in run:
+        result["paired_batch1"] = paired(base, args, prompts)
     save(result, args.out, plot)
 
 
@@ -279,11 +289,49 @@ def ngrams(base: dict, specs: list[str], prompts: list, tokens: int) -> dict:
     return result
 
 
+def paired(base: dict, args, prompts: list) -> dict:
+    """Each configuration on each prompt in turn; means over prompts (equal token counts)."""
+    engines = {}
+    for name in args.paired:
+        tree, _, ngram = name.partition("+")
+        if name == "incremental":
+            engines[name] = Engine(**{**base, "ssm": None})
+        elif name.startswith("ngram"):
+            engines[name] = Engine(**{**base, "ssm": name})
+        elif ngram:
+            engines[name] = Engine(**{**base, "ssm": [args.ssm, ngram]}, tree=[tree, None])
+        else:
+            engines[name] = Engine(**base, tree=tree)
+    runs = {name: [] for name in engines}
+    for prompt in prompts:
+        for name, engine in engines.items():
+            runs[name].append(latency_ms(engine, [prompt], args.tokens, batch=1))
+    result = {}
+    for name, rows in runs.items():
+        result[name] = {
+            key: sum(r[key] for r in rows) / len(rows)
+            for key in ("ms_per_token", "tokens_per_step")
+        }
+        result[name]["breakdown_ms_per_step"] = {
+            key: sum(r["breakdown_ms_per_step"][key] for r in rows) / len(rows)
+            for key in ("ssm_s", "target_s", "verify_s", "commit_s")
+        }
+    base_ms = result.get("incremental", {}).get("ms_per_token")
+    for name, row in result.items():
+        if base_ms:
+            row["speedup_vs_incremental"] = base_ms / row["ms_per_token"]
+        print(f"paired {name}: {row['ms_per_token']:.1f} ms/token, "
+              f"{row['tokens_per_step']:.2f} tokens/step, "
+              f"{row.get('speedup_vs_incremental', float('nan')):.2f}x incremental")  # fmt: skip
+    return result
+
+
 def plot(result: dict, plt):
     panels = [(key, draw) for key, draw in (("table2_tokens_per_step", _plot_table2),
               ("table3_mss_vs_naive", _plot_table3), ("latency", _plot_latency),
               ("trees_batch1", _plot_trees), ("ngrams_batch1", _plot_ngrams),
-              ("drafters_batch1", _plot_breakdown), ("target_forward_ms_by_rows", _plot_rows))
+              ("drafters_batch1", _plot_breakdown), ("target_forward_ms_by_rows", _plot_rows),
+              ("paired_batch1", _plot_paired))
               if key in result]  # fmt: skip
     fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(5 * max(1, len(panels)), 4))
     axes = axes if len(panels) > 1 else [axes]
@@ -321,6 +369,10 @@ def _plot_trees(ax, trees: dict, result: dict) -> None:
 
 def _plot_ngrams(ax, rows: dict, result: dict) -> None:
     _bars(ax, rows, "n-gram drafters at batch 1")
+
+
+def _plot_paired(ax, rows: dict, result: dict) -> None:
+    _bars(ax, rows, "paired runs at batch 1")
 
 
 def _bars(ax, rows: dict, title: str) -> None:
