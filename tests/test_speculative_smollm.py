@@ -143,6 +143,8 @@ def test_generate_speculates_by_default(smollm_gguf, capsys, ssm):
     assert main(args + ssm + ["--stats"]) == 0
     speculative = capsys.readouterr()
     assert "ngram:" in speculative.err  # per-SSM statistics: the n-gram drafter drafted
+    # The default model drafts with its shipped SSM too, asked for or not.
+    assert ("default_ssm:" in speculative.err) == (smollm_gguf.name == GGUF_NAME)
     assert main(args + ["--mode", "incremental"]) == 0
     assert capsys.readouterr().out == speculative.out
 

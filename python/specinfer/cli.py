@@ -31,8 +31,8 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="speculative model: a model path, layers:L (the target's first L layers), default "
         "(the SSM shipped for the default model), or ngram[:max_n=3,min_n=3,depth=8,branches=1] "
-        "(prompt lookup); repeat it to merge their trees. Default: ngram (turn off with --mode "
-        "incremental)",
+        "(prompt lookup); repeat it to merge their trees. Default: default and ngram for the "
+        "default model, ngram for others (turn off with --mode incremental)",
     )
     gen.add_argument(
         "--ssm-head",
@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument(
         "--tree",
         default=None,
-        help="expansion config, e.g. 1,1,3,1 (default: the paper's 1,1,3,1,1,1,1,1)",
+        help="expansion config of the model SSMs, e.g. 1,1,3,1 (default: 1 for the shipped SSM, "
+        "else the paper's 1,1,3,1,1,1,1,1)",
     )
     gen.add_argument(
         "--mode",
@@ -68,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         return training_command.run(args)
 
     from specinfer import Engine, SamplingParams  # after parsing: --help stays instant
+    from specinfer.default_model import ships_an_ssm
 
     try:
         params = SamplingParams(
@@ -79,10 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         ssm = args.ssm
         if ssm is None and args.mode != "incremental":
-            # Measured on this CPU (benchmarks/results/spec_default.json): prompt lookup is the one
-            # drafter that pays; a tree forward of ~6 tokens costs 2x a decode step here, more
-            # than the shipped SSM's 1.4-1.9 tokens/step win back.
-            ssm = ["ngram"]
+            # Measured (benchmarks/results/spec_paired.json, 2-core CPU, bf16): the shipped SSM
+            # drafting one token merged with prompt lookup, 1.18x incremental; prompt lookup
+            # alone (the only drafter for other models), 1.06x.
+            ssm = ["default", "ngram"] if ships_an_ssm(args.model) else ["ngram"]
         engine = Engine(
             args.model,
             dtype=args.dtype,

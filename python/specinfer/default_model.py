@@ -73,9 +73,18 @@ def _fetch(target: Path) -> None:
 
 
 # The SSM distilled from the default model by `specinfer train-ssm --compact` (its layers only: it
-# shares the target's embeddings), shipped inside the package, and the tree it drafts by default.
+# shares the target's embeddings), shipped inside the package, and the tree it drafts by default:
+# one token. On the 2-core CPU this was measured on (bench_spec.py --sections paired), a target
+# forward over more than 3 tree nodes costs more than the extra accepted tokens win back; deeper
+# trees pay where extra rows are nearly free (a GPU): pass tree= to use one.
 DEFAULT_SSM_DIR = Path(__file__).parent / "default_ssm"
-DEFAULT_SSM_TREE = "2,1,1,1"
+DEFAULT_SSM_TREE = "1"
+
+
+def ships_an_ssm(model: str | Path | None) -> bool:
+    """Whether `model` (None: the default model) is the one the package ships an SSM for."""
+    name = Path(model).name if model is not None else GGUF_NAME
+    return name == GGUF_NAME and (DEFAULT_SSM_DIR / "config.json").is_file()
 
 
 def default_ssm_path(target_path: Path) -> Path:
