@@ -236,6 +236,10 @@ def test_graphs_recorded_in_one_generate_replay_in_the_next(tiny_bf16, spec):
     long = SamplingParams(max_tokens=120, ignore_eos=True)
     longer = [c.token_ids for c in engine.generate(prompts, long)]
     assert [t[:16] for t in longer] == first
+    engine.release()  # memory back; the next call starts over
+    assert all(not r._graphs for r in runners) and engine._kept_kv is None
+    assert all(s.kv is None for s in getattr(engine.drafter, "ssms", []) if hasattr(s, "kv"))
+    assert [c.token_ids for c in engine.generate(prompts, params)] == first
 
 
 def test_interleaved_streams(tiny_bf16):
@@ -254,5 +258,7 @@ def test_interleaved_streams(tiny_bf16):
     next(first)
     with pytest.raises(RuntimeError, match="unfinished stream"):
         next(spec.stream("t3 t3", params))
+    with pytest.raises(RuntimeError, match="cannot release while a batch runs"):
+        spec.release()
     first.close()  # closing the stream frees the engine
     assert spec.generate("t3 t3", params)[0].text == expected[1]

@@ -151,6 +151,17 @@ class Engine:
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> Completion:
         return self.generate([messages], params)[0]
 
+    def release(self) -> None:
+        """Free the KV caches and recorded graphs kept for the next batch (the largest batch so
+        far sized them); the next call allocates and records again."""
+        if self._running:
+            raise RuntimeError("cannot release while a batch runs (an unfinished stream())")
+        self._kept_kv = None
+        self.run_model.release()
+        for ssm in self.drafter.ssms if self.drafter else []:
+            if hasattr(ssm, "release"):
+                ssm.release()
+
     # -- requests -------------------------------------------------------------------------------
 
     def _make_requests(self, prompts, params) -> list[_Request]:

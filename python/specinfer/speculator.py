@@ -78,6 +78,11 @@ class Speculator:
             self.kv = self.model.make_kv_cache(rows, max_seq_len)
         self.cached = [0] * self.kv.rows
 
+    def release(self) -> None:
+        """Drop the KV cache kept between batches and the graphs recorded over it."""
+        self.kv = None
+        self.run_model.release()
+
     def admit(self, row: int) -> None:
         """A new request takes `row`: nothing of it is cached yet."""
         self.cached[row] = 0
