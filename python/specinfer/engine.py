@@ -228,7 +228,7 @@ class Engine:
         recorded over it replay in this batch too; else a new one, kept in its place. A batch
         fills its rows before reading them, so what the last batch left there does no harm."""
         kv = self._kept_kv
-        if self._running > 1 or kv is None or kv.rows < rows or kv.max_seq_len < max_seq_len:
+        if self._running > 1 or kv is None or not kv.holds(rows, max_seq_len):
             kv = self.model.make_kv_cache(rows, max_seq_len)
             if self._running == 1:
                 self._kept_kv = kv

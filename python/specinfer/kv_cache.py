@@ -28,6 +28,10 @@ class KVCache:
         self.rows = rows
         self.max_seq_len = max_seq_len
 
+    def holds(self, rows: int, max_seq_len: int) -> bool:
+        """Whether a batch of `rows` requests of up to `max_seq_len` tokens fits in this cache."""
+        return self.rows >= rows and self.max_seq_len >= max_seq_len
+
     def write(
         self,
         layer: int,

@@ -24,10 +24,11 @@ SCAN_LIMIT = 16  # matches looked at per n-gram size when collecting distinct co
 
 @dataclass(frozen=True)
 class NgramConfig:
-    # Only max_n-token matches by default: on held-out chat answers a 3-gram's continuation is right
-    # 87% of the time at depth 1 and 56% at depth 8, a 1-gram's 23% and 3%. Where a tree row
-    # costs a quarter of a decode step (2 CPU cores), shorter matches cost more than they give
-    # (benchmarks/results/spec_trees.json: min_n=1 27.8 ms/token, min_n=3 19.1, incremental 19.8).
+    # Only max_n-token matches by default: on the training prompts' chat answers a 3-gram's
+    # continuation is right 87% of the time at depth 1 and 56% at depth 8, a 1-gram's 23% and 3%.
+    # Past 3 tree rows each row costs ~0.3 of a decode step (2 CPU cores), so shorter matches cost
+    # more than they give (bench_spec ngrams, commit 78cba3c: min_n=1 27.8 ms/token, min_n=3
+    # 19.1, incremental 19.8).
     max_n: int = 3
     min_n: int | None = None  # None: max_n
     depth: int = 8

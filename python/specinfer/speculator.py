@@ -74,7 +74,7 @@ class Speculator:
 
     def reset(self, rows: int, max_seq_len: int) -> None:
         """A new batch: keep the cache (and the graphs recorded over it) if it is large enough."""
-        if self.kv is None or self.kv.rows < rows or self.kv.max_seq_len < max_seq_len:
+        if self.kv is None or not self.kv.holds(rows, max_seq_len):
             self.kv = self.model.make_kv_cache(rows, max_seq_len)
         self.cached = [0] * self.kv.rows
 
