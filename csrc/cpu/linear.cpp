@@ -157,6 +157,17 @@ SPECINFER_TARGET(SPECINFER_AVX2) inline float split_sum(const __m256 (&acc)[kSpl
   return hsum256(sum);
 }
 
+// Calls tile(m0, mb) over rows [0, M) in tiles of at most max_mb rows, of nearly equal size (5 rows
+// at most 4 as 3 + 2, not 4 + 1), so no tile is left with a single row.
+template <typename Tile>
+SPECINFER_INLINE void for_each_row_tile(int64_t M, int64_t max_mb, Tile tile) {
+  for (int64_t m0 = 0, tiles = (M + max_mb - 1) / max_mb; m0 < M; --tiles) {
+    const int64_t mb = (M - m0 + tiles - 1) / tiles;
+    tile(m0, mb);
+    m0 += mb;
+  }
+}
+
 // Up to kStreamMaxRows rows (decode, small trees): weight rows one after another, so the weight
 // is one sequential stream, which the hardware prefetches best (the next row is prefetched as this
 // one is read). Each 8 weight columns are converted in registers and meet up to kMaxStreamMB rows
@@ -206,15 +217,12 @@ SPECINFER_TARGET(SPECINFER_AVX2)
 void stream_rows_avx2(const LinearProblem& p, const float* x, int64_t width, int64_t n_begin,
                       int64_t n_end) {
   for (int64_t n = n_begin; n < n_end; ++n) {
-    // Rows in tiles of nearly equal size (5 rows as 3 + 2, not 4 + 1).
-    for (int64_t m0 = 0, tiles = (p.M + kMaxStreamMB - 1) / kMaxStreamMB; m0 < p.M; --tiles) {
-      const int64_t mb = (p.M - m0 + tiles - 1) / tiles;
+    for_each_row_tile(p.M, kMaxStreamMB, [&](int64_t m0, int64_t mb) {
       if (mb == 4) stream_row_avx2<T, 4>(p, x, width, m0, n);
       if (mb == 3) stream_row_avx2<T, 3>(p, x, width, m0, n);
       if (mb == 2) stream_row_avx2<T, 2>(p, x, width, m0, n);
       if (mb == 1) stream_row_avx2<T, 1>(p, x, width, m0, n);
-      m0 += mb;
-    }
+    });
   }
 }
 
@@ -263,14 +271,11 @@ void gemm_block_avx2(const LinearProblem& p, const float* x, int64_t width, int6
   const int64_t n0 = block * kBlockRows, rows = std::min<int64_t>(kBlockRows, p.N - n0);
   to_float_rows(static_cast<const T*>(p.w) + n0 * p.w_stride, p.w_stride, rows, p.K, panel, width);
   std::fill(panel + rows * width, panel + kBlockRows * width, 0.0f);
-  // Rows in tiles of nearly equal size (4 rows as 2 + 2, not 3 + 1).
-  for (int64_t m0 = 0, tiles = (p.M + kMaxMB - 1) / kMaxMB; m0 < p.M; --tiles) {
-    const int64_t mb = (p.M - m0 + tiles - 1) / tiles;
+  for_each_row_tile(p.M, kMaxMB, [&](int64_t m0, int64_t mb) {
     if (mb == 3) block_tile_avx2<T, 3>(p, x, width, panel, m0, n0);
     if (mb == 2) block_tile_avx2<T, 2>(p, x, width, panel, m0, n0);
     if (mb == 1) block_tile_avx2<T, 1>(p, x, width, panel, m0, n0);
-    m0 += mb;
-  }
+  });
 }
 
 template <typename T>
