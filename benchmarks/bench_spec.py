@@ -23,7 +23,10 @@
   turn (each prompt through every configuration before the next prompt), so drift of a shared
   machine's speed hits all alike; per-token latency, tokens per step and speedup over incremental.
   A configuration is "incremental", an n-gram spec, an SSM tree ("1,1": the --ssm with that
-  tree), or an SSM tree merged with an n-gram drafter ("1,1+ngram").
+  tree), or an SSM tree merged with an n-gram drafter ("1,1+ngram"); speculative ones cut their
+  trees to what pays (the engine's default, budget.TreeBudget) unless prefixed "whole:"
+  ("whole:1,1+ngram" verifies every drafted node). The other sections verify whole trees: they
+  measure the shapes they are given.
 The prompts are real text nobody here wrote (openings of standard-library docstrings) unless
 --prompts-file gives others; --chat sends each as a user message through the chat template, as
 `specinfer generate` does. Writes JSON and PNG plots next to --out.
@@ -162,7 +165,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     prompts = load_prompts(args.prompts, args.prompts_file, args.chat)
     base = dict(model=args.model, dtype=args.dtype, threads=args.threads, ssm=args.ssm,
-                ssm_head=args.ssm_head)  # fmt: skip
+                ssm_head=args.ssm_head, adaptive_tree=False)  # fmt: skip
     result = {"ssm": args.ssm, "ssm_head": args.ssm_head, "ngram": args.ngram, "dtype": args.dtype,
               "threads": args.threads, "tokens": args.tokens, "prompts": len(prompts),
               "tree": args.tree, "chat": args.chat, "prompts_file": args.prompts_file,
@@ -293,11 +296,14 @@ def paired(base: dict, args, prompts: list) -> dict:
     """Each configuration on each prompt in turn; means over prompts (equal token counts)."""
     engines = {}
     for name in args.paired:
-        tree, _, ngram = name.partition("+")
-        if name == "incremental":
+        whole = name.startswith("whole:")
+        config = name.removeprefix("whole:")
+        tree, _, ngram = config.partition("+")
+        base = {**base, "adaptive_tree": not whole}
+        if config == "incremental":
             engines[name] = Engine(**{**base, "ssm": None})
-        elif name.startswith("ngram"):
-            engines[name] = Engine(**{**base, "ssm": name})
+        elif config.startswith("ngram"):
+            engines[name] = Engine(**{**base, "ssm": config})
         elif ngram:
             engines[name] = Engine(**{**base, "ssm": [args.ssm, ngram]}, tree=[tree, None])
         else:

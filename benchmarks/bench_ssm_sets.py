@@ -18,7 +18,9 @@ from specinfer import Engine, SamplingParams
 
 
 def measure(ssms: list[str], tree: str, prompts: list, tokens: int, dtype: str) -> dict:
-    engine = Engine(dtype=dtype, ssm=ssms, tree=tree, max_batch_size=len(prompts))
+    engine = Engine(
+        dtype=dtype, ssm=ssms, tree=tree, max_batch_size=len(prompts), adaptive_tree=False
+    )
     outs = engine.generate(prompts, SamplingParams(max_tokens=tokens))
     steps = sum(o.metrics["steps"] for o in outs) or 1
     return {

@@ -4,14 +4,16 @@ incremental) and for sampling (chi-squared against the exact incremental distrib
 import json
 import math
 import shutil
-from itertools import product
+from itertools import count, product
 
 import pytest
 import torch
 
+import specinfer.engine
 from specinfer import Engine, SamplingParams, drafting
 from specinfer.speculator import Speculator
 from specinfer.tree import TreeConfig, merge_trees
+from test_budget import SteepCosts
 
 VOCAB = 6
 PROMPT = [1, 4, 2]
@@ -224,6 +226,25 @@ def test_speculative_metrics_and_bad_configs(tiny_pair):
         Engine(target, ssm="ngram:width=3")
 
 
+@pytest.mark.parametrize("ssm", [["other", "ngram"], ["other", 1]])
+def test_greedy_with_cut_trees_equals_incremental(tiny_pair, ssm):
+    target, other = tiny_pair
+    specs = [other if s == "other" else s for s in ssm]
+    prompts = [PROMPT, [3], [5, 5, 1, 0, 2, 4, 4, 5, 5, 1], [2, 3]]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    reference = Engine(target, dtype="float32").generate(prompts, params)
+    nodes = {}
+    for cut in (False, True):
+        engine = Engine(target, dtype="float32", ssm=specs, tree="2,2,1", max_batch_size=3,
+                        adaptive_tree=cut)  # fmt: skip
+        if cut:
+            engine.budget = SteepCosts()  # cuts whatever the machine's timings
+        outs = engine.generate(prompts, params)  # 4 prompts on 3 rows: a row gets reused
+        assert [o.token_ids for o in outs] == [r.token_ids for r in reference], cut
+        nodes[cut] = sum(o.metrics["tree_nodes"] / o.metrics["steps"] for o in outs)
+    assert nodes[True] < nodes[False] and engine.budget.cut > 0
+
+
 # -- sampling: the same distribution as incremental sampling ------------------------------------
 
 SAMPLES = 20_000
@@ -269,8 +290,9 @@ def _chi_squared_p(
     return stat, 0.5 * math.erfc(z / math.sqrt(2))
 
 
-def _sample_first3(engine: Engine, n: int = SAMPLES) -> dict[tuple, int]:
-    params = [SamplingParams(max_tokens=3, seed=s, ignore_eos=True, **PARAMS) for s in range(n)]
+def _sample_first3(engine: Engine, n: int = SAMPLES, seeded: bool = True) -> dict[tuple, int]:
+    params = [SamplingParams(max_tokens=3, seed=s if seeded else None, ignore_eos=True, **PARAMS)
+              for s in range(n)]  # fmt: skip
     outs = engine.generate([PROMPT] * n, params)
     counts: dict[tuple, int] = {}
     for o in outs:
@@ -391,3 +413,17 @@ def test_exact_joint_is_a_distribution(exact):
     assert len(exact) == VOCAB**3
     assert sum(exact.values()) == pytest.approx(1.0)
     assert set(exact) == set(product(range(VOCAB), repeat=3))
+
+
+def test_sampling_with_cut_trees_matches_incremental_distribution(tiny_pair, exact, monkeypatch):
+    """Unseeded requests (seeded ones keep whole trees, to reproduce); their generators are
+    seeded here from a counter so the test itself is reproducible."""
+    seeds = count()
+    monkeypatch.setattr(specinfer.engine, "make_generator",
+                        lambda seed: torch.Generator().manual_seed(next(seeds)))  # fmt: skip
+    engine = _speculative_engine(tiny_pair, tree=TreeConfig((2, 2)))
+    engine.budget = SteepCosts()
+    stat, p = _chi_squared_p(_sample_first3(engine, seeded=False), exact, SAMPLES)
+    print(f"\ncut trees, top-k children: chi2 = {stat:.1f}, p = {p:.3f}")
+    assert p > 0.01, f"chi2 = {stat:.1f}, p = {p:.2e}"
+    assert engine.budget.cut > 0, "no tree was cut"

@@ -147,6 +147,8 @@ def test_generate_speculates_by_default(smollm_gguf, capsys, ssm):
     assert ("default_ssm:" in speculative.err) == (smollm_gguf.name == GGUF_NAME)
     assert main(args + ["--mode", "incremental"]) == 0
     assert capsys.readouterr().out == speculative.out
+    assert main(args + ssm + ["--whole-trees"]) == 0  # every drafted node verified
+    assert capsys.readouterr().out == speculative.out
 
 
 def test_the_default_ssm_belongs_to_the_default_model(tmp_path):

@@ -53,6 +53,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="default: tree when an SSM is used, else incremental",
     )
+    gen.add_argument(
+        "--whole-trees",
+        action="store_true",
+        help="verify every drafted node (default: only the part of each tree worth its cost in "
+        "the target forward, learned while decoding; lossless either way)",
+    )
     gen.add_argument("--stats", action="store_true", help="print decoding statistics to stderr")
     gen.add_argument(
         "--chat",
@@ -94,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             tree=args.tree,
             mode=args.mode,
             ssm_head=args.ssm_head,
+            adaptive_tree=not args.whole_trees,
         )
         use_chat = args.chat if args.chat is not None else bool(engine.tokenizer.chat_template)
         prompt = [{"role": "user", "content": args.prompt}] if use_chat else args.prompt

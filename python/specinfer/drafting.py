@@ -28,6 +28,7 @@ class Drafter:
         self.ssms = ssms
         self._trees: list[list[TokenTree]] = []  # per SSM, per request: the last drafts
         self._maps: list[list[list[int]]] = []  # per request, per SSM: its node -> merged node
+        self._merged: list[TokenTree] = []  # per request: the last merged tree
         self.last_times: list[float] = []  # seconds each SSM took in the last draft
 
     @property
@@ -51,10 +52,22 @@ class Drafter:
             self.last_times.append(time.perf_counter() - t0)
         if len(self.ssms) == 1:
             self._maps = [[list(range(len(t)))] for t in self._trees[0]]
-            return self._trees[0]
-        merged = [merge_trees(list(per_request)) for per_request in zip(*self._trees)]
-        self._maps = [maps for _, maps in merged]
-        return [tree for tree, _ in merged]
+            self._merged = self._trees[0]
+        else:
+            merged = [merge_trees(list(per_request)) for per_request in zip(*self._trees)]
+            self._maps = [maps for _, maps in merged]
+            self._merged = [tree for tree, _ in merged]
+        return self._merged
+
+    def keep(self, kept: list[list[int]]) -> list[TokenTree]:
+        """Cut the last merged trees down to the `kept` nodes of each (see TreeBudget)."""
+        trees = []
+        for b, nodes in enumerate(kept):
+            tree, new_id = self._merged[b].subtree(nodes)
+            self._maps[b] = [[new_id[m] for m in own_to_merged] for own_to_merged in self._maps[b]]
+            trees.append(tree)
+        self._merged = trees
+        return trees
 
     def commit(self, batch: list, prefix: list[int], paths: list[list[int]],
                max_depths: list[int]) -> None:  # fmt: skip
@@ -76,7 +89,7 @@ class Drafter:
 
 def _own_path(path: list[int], merged_of: list[int]) -> list[int]:
     """The longest prefix of a merged-tree path that lies in one SSM's tree, in its node ids."""
-    own_of = {m: own for own, m in enumerate(merged_of)}
+    own_of = {m: own for own, m in enumerate(merged_of) if m >= 0}
     own = []
     for node in path:
         if node not in own_of:

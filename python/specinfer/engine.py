@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from specinfer import ops, verify
+from specinfer.budget import TreeBudget
 from specinfer.default_model import default_model_path
 from specinfer.drafting import build_drafter
 from specinfer.graphs import GraphRunner
@@ -82,6 +83,7 @@ class Engine:
         mode: str | None = None,
         verifier: str = "mss",
         ssm_head: int | None = None,
+        adaptive_tree: bool = True,
     ):
         """mode: "incremental" (no SSM), "sequence" (chains as deep as the trees) or "tree"
         (default when an SSM is given). ssm: a model path sharing the target's tokenizer, an
@@ -89,7 +91,9 @@ class Engine:
         lookup, or a list of these: their trees are merged into one. tree: one config for all
         model SSMs or a list per SSM (None at n-gram entries). ssm_head: N restricts the model
         SSMs' LM head to N tokens (see drafting.head_token_ids; 0 = full head). verifier:
-        "mss" (multi-step speculative sampling) or "naive" (the ablation) for sampling."""
+        "mss" (multi-step speculative sampling) or "naive" (the ablation) for sampling.
+        adaptive_tree: verify only the part of each drafted tree that pays for its rows in the
+        target forward (see budget.TreeBudget; lossless); False verifies the whole tree."""
         if threads is not None:
             torch.set_num_threads(threads)
         if max_batch_size < 1:
@@ -116,6 +120,7 @@ class Engine:
             raise ValueError(f"verifier must be 'mss' or 'naive', got {verifier!r}")
         self.verifier = verifier
         self.drafter = None
+        self.budget = None
         if self.mode != "incremental":
             if ssm is None:
                 raise ValueError(
@@ -123,6 +128,7 @@ class Engine:
                 )
             self.drafter = build_drafter(ssm, tree, self.model, path, self.dtype, self.device,
                                          ssm_head, chains=self.mode == "sequence")  # fmt: skip
+            self.budget = TreeBudget() if adaptive_tree else None
         eos = self.config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self.tokenizer.eos_token_id is not None:
@@ -310,6 +316,12 @@ class Engine:
         max_depths = [r.max_len - len(seq) - 1 for r, seq in zip(batch, tokens)]
         t0 = time.perf_counter()
         trees = self.drafter.draft(batch, tokens, max_depths)
+        # A seeded sampling request reproduces its output only if its trees do not depend on
+        # timings: such batches verify whole trees.
+        if self.budget and not any(
+            r.params.seed is not None and not r.params.greedy for r in batch
+        ):
+            trees = self.drafter.keep(self.budget.choose(trees))
         t1 = time.perf_counter()
         T = max(len(tree) for tree in trees)
         prefix = [len(seq) - 1 for seq in tokens]
@@ -335,6 +347,9 @@ class Engine:
         ops.kv_commit(kv.k + kv.v, rows, torch.tensor(prefix, device=dev), _pad(paths, -1, dev))
         self.drafter.commit(batch, prefix, paths, max_depths)
         t4 = time.perf_counter()
+        if self.budget:
+            self.budget.observe(trees, paths)
+            self.budget.time_step(len(batch), T, t2 - t1, (t1 - t0) + (t4 - t2))
         self.drafter.record([r.metrics for r in batch], paths)
         for r, path, tree in zip(batch, paths, trees):
             m = r.metrics

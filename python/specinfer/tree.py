@@ -135,6 +135,23 @@ class TokenTree:
     def path_tokens(self, path: list[int]) -> list[int]:
         return [self.tokens[n] for n in path]
 
+    def subtree(self, keep: list[int]) -> tuple[TokenTree, list[int]]:
+        """The tree of the nodes in `keep` (ascending, the root and every kept node's parent
+        among them) with all their proposals; returns it and each node's new id (-1: dropped)."""
+        new_id = [-1] * len(self)
+        for i, n in enumerate(keep):
+            new_id[n] = i
+        if new_id[0] != 0 or any(new_id[self.parents[n]] < 0 for n in keep[1:]):
+            raise ValueError("subtree: the kept nodes must include the root and their parents")
+        tree = TokenTree(self.tokens[0])
+        tree.q_rows = list(self.q_rows)
+        # In order of the new child ids: nodes get the same relative numbering.
+        kept = sorted((new_id[c], p) for p, c in enumerate(self.prop_child) if new_id[c] > 0)
+        for _, p in kept:
+            token = self.tokens[self.prop_child[p]]
+            tree.propose(new_id[self.prop_parent[p]], token, self.prop_q[p], self.prop_source[p])
+        return tree, new_id
+
 
 def merge_trees(trees: list[TokenTree]) -> tuple[TokenTree, list[list[int]]]:
     """Merge trees with the same root (one per SSM) into one: every token sequence of every tree

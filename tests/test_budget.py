@@ -1,0 +1,113 @@
+"""The cost-aware tree cut (TreeBudget): which nodes it keeps and what it learns. Decoding with
+it is checked lossless in test_speculative (greedy and sampling)."""
+
+import pytest
+import torch
+
+from specinfer.budget import TreeBudget
+from specinfer.tree import TokenTree
+
+
+def _chain(tokens, source=0, tree=None):
+    tree = tree or TokenTree(9)
+    node = 0
+    for t in tokens:
+        node = tree.propose(node, t, -1, source)
+    return tree
+
+
+class SteepCosts(TreeBudget):
+    """Fixed prices: a forward costs 1 + width^2 / 4, a step 1 besides; nothing is timed.
+    Counts the nodes it cuts."""
+
+    cut = 0
+
+    def estimate(self, batch, width):
+        return 1.0 + width * width / 4
+
+    def time_step(self, batch, width, target_s, other_s):
+        self.overhead = 1.0
+
+    def choose(self, trees):
+        kept = super().choose(trees)
+        self.cut += sum(len(t) - len(k) for t, k in zip(trees, kept))
+        return kept
+
+
+def test_subtree_keeps_nodes_proposals_and_sources():
+    tree = _chain([1, 2, 3], source=0)
+    tree.propose(0, 4, -1, 1)  # node 4, depth 1, from SSM 1
+    tree.propose(1, 5, -1, 1)  # node 5, under node 1
+    tree.propose(1, 2, -1, 1)  # a second proposal of node 2
+    sub, new_id = tree.subtree([0, 1, 2, 4])
+    assert new_id == [0, 1, 2, -1, 3, -1]
+    assert sub.tokens == [9, 1, 2, 4] and sub.parents == [-1, 0, 1, 0]
+    assert sorted(zip(sub.prop_child, sub.prop_source)) == [(1, 0), (2, 0), (2, 1), (3, 1)]
+    with pytest.raises(ValueError, match="their parents"):
+        tree.subtree([0, 2])
+
+
+def test_flat_costs_keep_everything_steep_costs_cut():
+    tree = _chain([1, 2, 3, 4, 5, 6])
+    flat = TreeBudget()
+    flat.overhead, flat.cost = 0.001, {(1, w): 0.02 for w in range(1, 8)}
+    assert flat.choose([tree]) == [list(range(7))]
+    steep = SteepCosts()
+    steep.time_step(1, 1, 0, 0)
+    kept = steep.choose([tree])[0]
+    assert kept[0] == 0 and 1 < len(kept) < 7
+    assert kept == list(range(len(kept)))  # a chain is cut at a depth
+
+
+def test_cut_keeps_the_most_valuable_nodes_and_their_parents():
+    """Two drafters: one always accepted, one never; the cut keeps the first one's nodes."""
+    budget = SteepCosts()
+    budget.time_step(1, 1, 0, 0)
+    for _ in range(20):
+        tree = _chain([1, 2, 3], source=0)
+        _chain([4, 5, 6], source=1, tree=tree)
+        budget.observe([tree], [[0, 1, 2, 3]])  # the first drafter's chain
+    assert budget.rates(0, 3)[-1] > 0.9 and budget.rates(1, 1)[0] < 0.1
+    tree = _chain([7, 8, 9], source=0)
+    _chain([4, 5, 6], source=1, tree=tree)
+    kept = budget.choose([tree])[0]
+    assert [tree.prop_source[tree.prop_child.index(n)] for n in kept[1:]] == [0] * (len(kept) - 1)
+    for _ in range(50):  # random trees: whatever is kept, its parents are kept
+        tree = TokenTree(0)
+        for t in range(12):
+            tree.propose(int(torch.randint(len(tree), ())), t, -1, t % 2)
+        kept = set(budget.choose([tree])[0])
+        assert 0 in kept and all(tree.parents[n] in kept for n in kept - {0})
+
+
+def test_sampled_proposals_are_never_cut():
+    tree = _chain([1, 2, 3, 4, 5])
+    tree.propose(0, 6, tree.add_distribution(torch.rand(10)))
+    budget = SteepCosts()
+    budget.time_step(1, 1, 0, 0)
+    assert budget.choose([tree]) == [list(range(len(tree)))]
+
+
+def test_untimed_widths_are_priced_optimistically():
+    budget = TreeBudget()
+    assert budget.estimate(1, 5) == 0.0  # nothing timed: everything is verified
+    budget.time_step(1, 4, 0.5, 0.0)  # the first forward of a width records graphs: skipped
+    assert budget.cost == {}
+    budget.time_step(1, 4, 0.040, 0.0)
+    assert budget.estimate(1, 4) == 0.040
+    assert budget.estimate(1, 8) == 0.040  # no wider forward costs less
+    assert budget.estimate(1, 2) == pytest.approx(0.020)  # nor less per row
+    assert budget.estimate(2, 4) == 0.0  # another batch size: its own prices
+    budget.time_step(1, 4, 10.0, 0.0)  # a stall counts at most twice the estimate
+    assert budget.estimate(1, 4) == pytest.approx(0.75 * 0.040 + 0.25 * 0.080)
+
+
+def test_rates_follow_the_verifications():
+    budget = TreeBudget()
+    assert budget.rates(0, 2) == [0.5, 0.5]
+    for _ in range(30):
+        tree = _chain([1, 2, 3])
+        budget.observe([tree], [[0, 1]])  # depth 1 accepted, depth 2 rejected, 3 untested
+    r1, r2, r3 = budget.rates(0, 3)
+    assert r1 > 0.9 and r2 < 0.15
+    assert r3 == pytest.approx(r2)  # never tested: leans on the depth above
