@@ -63,6 +63,9 @@ class Drafter:
         """Cut the last merged trees down to the `kept` nodes of each (see TreeBudget)."""
         trees = []
         for b, nodes in enumerate(kept):
+            if len(nodes) == len(self._merged[b]):  # nothing cut: no copy, same node ids
+                trees.append(self._merged[b])
+                continue
             tree, new_id = self._merged[b].subtree(nodes)
             self._maps[b] = [[new_id[m] for m in own_to_merged] for own_to_merged in self._maps[b]]
             trees.append(tree)
