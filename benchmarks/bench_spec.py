@@ -21,7 +21,8 @@
   SSM's drafting, target tree forward, verify, commit).
 - Paired (--paired): incremental decoding and drafting configurations run prompt by prompt in
   turn (each prompt through every configuration before the next prompt), so drift of a shared
-  machine's speed hits all alike; per-token latency, tokens per step and speedup over incremental.
+  machine's speed hits all alike; per-token latency, tokens per step and speedup over incremental,
+  and the tokens per step each configuration's step time would need for 2x over incremental.
   A configuration is "incremental", an n-gram spec, an SSM tree ("1,1": the --ssm with that
   tree), or an SSM tree merged with an n-gram drafter ("1,1+ngram"); speculative ones cut their
   trees to what pays (the engine's default, budget.TreeBudget) unless prefixed "whole:"
@@ -318,6 +319,9 @@ def paired(base: dict, args, prompts: list) -> dict:
             key: sum(r[key] for r in rows) / len(rows)
             for key in ("ms_per_token", "tokens_per_step")
         }
+        result[name]["ms_per_step"] = sum(
+            r["ms_per_token"] * r["tokens_per_step"] for r in rows
+        ) / len(rows)
         result[name]["breakdown_ms_per_step"] = {
             key: sum(r["breakdown_ms_per_step"][key] for r in rows) / len(rows)
             for key in ("ssm_s", "target_s", "verify_s", "commit_s")
@@ -326,8 +330,11 @@ def paired(base: dict, args, prompts: list) -> dict:
     for name, row in result.items():
         if base_ms:
             row["speedup_vs_incremental"] = base_ms / row["ms_per_token"]
+            # What this configuration's steps would have to yield to halve incremental latency.
+            row["tokens_per_step_for_2x"] = 2 * row["ms_per_step"] / base_ms
         print(f"paired {name}: {row['ms_per_token']:.1f} ms/token, "
-              f"{row['tokens_per_step']:.2f} tokens/step, "
+              f"{row['tokens_per_step']:.2f} tokens/step "
+              f"(2x needs {row.get('tokens_per_step_for_2x', float('nan')):.2f}), "
               f"{row.get('speedup_vs_incremental', float('nan')):.2f}x incremental")  # fmt: skip
     return result
 
@@ -379,6 +386,9 @@ def _plot_ngrams(ax, rows: dict, result: dict) -> None:
 
 def _plot_paired(ax, rows: dict, result: dict) -> None:
     _bars(ax, rows, "paired runs at batch 1")
+    if "incremental" in rows:
+        ax.axhline(rows["incremental"]["ms_per_token"] / 2, linestyle="--", color="gray",
+                   label="2x faster than incremental")  # fmt: skip
 
 
 def _bars(ax, rows: dict, title: str) -> None:
