@@ -5,7 +5,10 @@ import pytest
 import torch
 
 from specinfer.budget import TreeBudget
+from specinfer.sampling import SamplingParams
 from specinfer.tree import TokenTree
+
+GREEDY = [SamplingParams()]
 
 
 def _chain(tokens, source=0, tree=None):
@@ -28,8 +31,8 @@ class SteepCosts(TreeBudget):
     def time_step(self, batch, width, target_s, other_s):
         self.overhead = 1.0
 
-    def choose(self, trees):
-        kept = super().choose(trees)
+    def choose(self, trees, params):
+        kept = super().choose(trees, params)
         self.cut += sum(len(t) - len(k) for t, k in zip(trees, kept))
         return kept
 
@@ -51,10 +54,10 @@ def test_flat_costs_keep_everything_steep_costs_cut():
     tree = _chain([1, 2, 3, 4, 5, 6])
     flat = TreeBudget()
     flat.overhead, flat.cost = 0.001, {(1, w): 0.02 for w in range(1, 8)}
-    assert flat.choose([tree]) == [list(range(7))]
+    assert flat.choose([tree], GREEDY) == [list(range(7))]
     steep = SteepCosts()
     steep.time_step(1, 1, 0, 0)
-    kept = steep.choose([tree])[0]
+    kept = steep.choose([tree], GREEDY)[0]
     assert kept[0] == 0 and 1 < len(kept) < 7
     assert kept == list(range(len(kept)))  # a chain is cut at a depth
 
@@ -70,22 +73,28 @@ def test_cut_keeps_the_most_valuable_nodes_and_their_parents():
     assert budget.rates(0, 3)[-1] > 0.9 and budget.rates(1, 1)[0] < 0.1
     tree = _chain([7, 8, 9], source=0)
     _chain([4, 5, 6], source=1, tree=tree)
-    kept = budget.choose([tree])[0]
+    kept = budget.choose([tree], GREEDY)[0]
     assert [tree.prop_source[tree.prop_child.index(n)] for n in kept[1:]] == [0] * (len(kept) - 1)
     for _ in range(50):  # random trees: whatever is kept, its parents are kept
         tree = TokenTree(0)
         for t in range(12):
             tree.propose(int(torch.randint(len(tree), ())), t, -1, t % 2)
-        kept = set(budget.choose([tree])[0])
+        kept = set(budget.choose([tree], GREEDY)[0])
         assert 0 in kept and all(tree.parents[n] in kept for n in kept - {0})
 
 
-def test_sampled_proposals_are_never_cut():
+def test_sampled_proposals_and_seeded_sampling_are_never_cut():
     tree = _chain([1, 2, 3, 4, 5])
-    tree.propose(0, 6, tree.add_distribution(torch.rand(10)))
     budget = SteepCosts()
     budget.time_step(1, 1, 0, 0)
-    assert budget.choose([tree]) == [list(range(len(tree)))]
+    whole = [list(range(len(tree)))]
+    assert budget.choose([tree], GREEDY) != whole  # the price cuts this chain...
+    unseeded, seeded = SamplingParams(temperature=0.8), SamplingParams(temperature=0.8, seed=3)
+    assert budget.choose([tree], [unseeded]) != whole
+    assert budget.choose([tree, tree], [SamplingParams(), seeded]) == whole * 2  # ...not these
+    assert budget.choose([tree], [SamplingParams(seed=3)]) != whole  # greedy: seed irrelevant
+    tree.propose(0, 6, tree.add_distribution(torch.rand(10)))
+    assert budget.choose([tree], GREEDY) == [list(range(len(tree)))]
 
 
 def test_untimed_widths_are_priced_optimistically():

@@ -8,14 +8,17 @@ batch at a given tree width (measured, per width) plus what the step spends besi
 verification, commit). `choose` keeps, per request, the most valuable nodes, as many as the
 width that maximises expected tokens / step time.
 
-Lossless: the cut depends on depths and drafters, never on a sampled token, and it only applies
-to trees of point-mass proposals (greedy, top-k children, prompt lookup): those may be dropped
-for any reason. A tree with a sampled child is verified whole, since dropping some of a node's
-i.i.d. draws depending on what they drew would bias verification.
+When a batch may be cut is decided here too (`choose`). Lossless: the cut depends on depths and
+drafters, never on a sampled token, and it only applies to trees of point-mass proposals (greedy,
+top-k children, prompt lookup): those may be dropped for any reason. A tree with a sampled child
+is verified whole, since dropping some of a node's i.i.d. draws depending on what they drew would
+bias verification. And a batch with a seeded sampling request is verified whole: a seed must
+reproduce its output, so its trees must not depend on timings.
 """
 
 from __future__ import annotations
 
+from specinfer.sampling import SamplingParams
 from specinfer.tree import TokenTree
 
 PRIOR = 2.0  # pseudo-counts pulling a depth's rate towards the depth above (or 0.5 at depth 1)
@@ -56,10 +59,13 @@ class TreeBudget:
             value.append(value[tree.parents[n]] * best)
         return value
 
-    def choose(self, trees: list[TokenTree]) -> list[list[int]]:
-        """Per tree, the node ids to keep (root included, parents before children)."""
+    def choose(self, trees: list[TokenTree], params: list[SamplingParams]) -> list[list[int]]:
+        """Per tree (params: its request's), the node ids to keep (root included, parents before
+        children)."""
         whole = [list(range(len(t))) for t in trees]
         if any(q >= 0 for t in trees for q in t.prop_q):
+            return whole
+        if any(p.seed is not None and not p.greedy for p in params):
             return whole
         B = len(trees)
         ranked = []

@@ -316,12 +316,8 @@ class Engine:
         max_depths = [r.max_len - len(seq) - 1 for r, seq in zip(batch, tokens)]
         t0 = time.perf_counter()
         trees = self.drafter.draft(batch, tokens, max_depths)
-        # A seeded sampling request reproduces its output only if its trees do not depend on
-        # timings: such batches verify whole trees.
-        if self.budget and not any(
-            r.params.seed is not None and not r.params.greedy for r in batch
-        ):
-            trees = self.drafter.keep(self.budget.choose(trees))
+        if self.budget:
+            trees = self.drafter.keep(self.budget.choose(trees, [r.params for r in batch]))
         t1 = time.perf_counter()
         T = max(len(tree) for tree in trees)
         prefix = [len(seq) - 1 for seq in tokens]
