@@ -353,7 +353,9 @@ def test_cli_train_ssm(tmp_path, tiny, capsys):
     assert not list((tmp_path / "out").glob("checkpoint*.pt"))  # finished work is exported
     capsys.readouterr()
     assert main(args) == 0  # a re-run reuses everything
-    assert "already trained" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "already trained" in err
+    assert "ssm_1: coverage" in err and "independent_2: held-out coverage" in err  # progress bars
     bad = ["train-ssm", "--prompts", str(prompts), "--model", str(path), "--layers", "0,3",
            "--out", str(tmp_path / "bad"), "--max-new-tokens", "2"]  # fmt: skip
     assert main(bad) == 2

@@ -34,14 +34,12 @@ def boost(recipe: SSMRecipe, examples: list[dict], held_out: list[dict], n: int,
         train = [examples[j] for j in remaining]
         # Its own seed: a stage that covered nothing does not hand the next the same run.
         ssm = recipe.train(train, out / name, checkpoint, seed=i - 1)
-        matched = covers(ssm, train, match)
+        matched = covers(ssm, train, match, f"{name}: coverage")
         remaining = [j for j, m in zip(remaining, matched) if not m]
         stage = {"ssm": name, "trained_on": len(train), "covered": sum(matched),
                  "coverage": 1 - len(remaining) / len(examples)}  # fmt: skip
         if held_out:
-            held_covered = [a or b for a, b in zip(held_covered, covers(ssm, held_out, match))]
-            stage["held_out_coverage"] = sum(held_covered) / len(held_out)
-            stage["held_out_agreement"] = agreement(ssm, held_out)
+            stage.update(held_out_report(ssm, name, held_out, held_covered, match))
         stages.append(stage)
     return {"rule": rule, "ssms": stages}
 
@@ -59,24 +57,34 @@ def independent(recipe: SSMRecipe, examples: list[dict], held_out: list[dict], n
         part = examples if mode == "seeds" else [examples[j] for j in order[i - 1 :: n]]
         name = f"independent_{i}"
         ssm = recipe.train(part, out / name, out / f"checkpoint_{name}.pt", seed=i - 1)
-        covered = [a or b for a, b in zip(covered, covers(ssm, examples, match))]
+        covered = [
+            a or b for a, b in zip(covered, covers(ssm, examples, match, f"{name}: coverage"))
+        ]
         entry = {"ssm": name, "trained_on": len(part), "coverage": sum(covered) / len(examples)}
         if held_out:
-            held_covered = [a or b for a, b in zip(held_covered, covers(ssm, held_out, match))]
-            entry["held_out_coverage"] = sum(held_covered) / len(held_out)
-            entry["held_out_agreement"] = agreement(ssm, held_out)
+            entry.update(held_out_report(ssm, name, held_out, held_covered, match))
         ssms.append(entry)
     return {"rule": rule, "mode": mode, "ssms": ssms}
 
 
-def covers(ssm: nn.Module, examples: list[dict], match) -> list[bool]:
-    return [match(a) for a in agreement_vectors(ssm, sequences(examples))]
+def held_out_report(ssm: nn.Module, name: str, held_out: list[dict], held_covered: list[bool],
+                    match) -> dict:  # fmt: skip
+    """The set's held-out coverage once this SSM joins it (`held_covered` is updated in
+    place), and this SSM's top-1/3/5 agreement on the held-out prompts."""
+    for i, hit in enumerate(covers(ssm, held_out, match, f"{name}: held-out coverage")):
+        held_covered[i] = held_covered[i] or hit
+    top_k = agreement(ssm, held_out, f"{name}: held-out agreement")
+    return {"held_out_coverage": sum(held_covered) / len(held_out), "held_out_agreement": top_k}
 
 
-def agreement(ssm: nn.Module, examples: list[dict]) -> dict[str, float]:
+def covers(ssm: nn.Module, examples: list[dict], match, desc: str | None = None) -> list[bool]:
+    return [match(a) for a in agreement_vectors(ssm, sequences(examples), desc)]
+
+
+def agreement(ssm: nn.Module, examples: list[dict], desc: str | None = None) -> dict[str, float]:
     """Top-1/3/5 agreement with the target's top token (stored with the teacher data)."""
     wanted = ({"greedy": e["topk_ids"][:, 0]} for e in examples)
-    return topk_agreement(ssm, sequences(examples), wanted)["greedy"]
+    return topk_agreement(ssm, sequences(examples), wanted, desc)["greedy"]
 
 
 def sequences(examples: list[dict]) -> list[tuple[list[int], list[int]]]:

@@ -20,14 +20,17 @@ KS = (1, 3, 5)
 
 
 def topk_agreement(
-    ssm: nn.Module, seqs: list[Sequence], wanted: Iterable[dict[str, torch.Tensor]]
+    ssm: nn.Module,
+    seqs: list[Sequence],
+    wanted: Iterable[dict[str, torch.Tensor]],
+    desc: str | None = None,
 ) -> dict[str, dict[str, float]]:
     """`wanted` yields, per sequence, named target tokens per completion position (e.g.
     {"greedy": ...} from stored teacher data, or `target_tokens`); returns, per name, the
-    fraction of positions where that token is in the SSM's top k."""
+    fraction of positions where that token is in the SSM's top k. `desc`: a progress bar."""
     hits: dict[str, list[int]] = {}
     total = 0
-    for ssm_logits, want in zip(completion_logits(ssm, seqs), wanted):
+    for ssm_logits, want in zip(completion_logits(ssm, seqs, desc=desc), wanted):
         top = ssm_logits.topk(max(KS), dim=-1).indices
         for name, tokens in want.items():
             counts = hits.setdefault(name, [0] * len(KS))
@@ -48,11 +51,13 @@ def target_tokens(
         yield {"greedy": logits.argmax(-1), "stochastic": sampled}
 
 
-def agreement_vectors(ssm: nn.Module, seqs: list[Sequence]) -> list[torch.Tensor]:
+def agreement_vectors(
+    ssm: nn.Module, seqs: list[Sequence], desc: str | None = None
+) -> list[torch.Tensor]:
     """Per sequence, a bool per completion position: is the SSM's top token the completion's?"""
     return [
         logits.argmax(-1) == torch.tensor(completion)
-        for (_, completion), logits in zip(seqs, completion_logits(ssm, seqs))
+        for (_, completion), logits in zip(seqs, completion_logits(ssm, seqs, desc=desc))
     ]
 
 

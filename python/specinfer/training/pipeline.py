@@ -86,7 +86,9 @@ def train_ssm(
               "train_prompts": len(examples), "held_out_prompts": len(held),
               "teacher_tokens": sum(len(e["completion"]) for e in examples)}  # fmt: skip
     if held:
-        report["held_out_before"] = agreement(recipe.untrained(), held)
+        report["held_out_before"] = agreement(
+            recipe.untrained(), held, "untrained: held-out agreement"
+        )
     report["boosting"] = boost(recipe, examples, held, boost_stages, match, out)
     if independent_mode:
         report["independent"] = independent(

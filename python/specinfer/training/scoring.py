@@ -10,16 +10,18 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 Sequence = tuple[list[int], list[int]]  # (prompt ids, completion ids)
 
 
 @torch.inference_mode()
 def completion_logits(
-    model: nn.Module, seqs: list[Sequence], batch_size: int = 8
+    model: nn.Module, seqs: list[Sequence], batch_size: int = 8, desc: str | None = None
 ) -> Iterator[torch.Tensor]:
     """Yields, per sequence, float32 logits [len(completion), vocab]: row j predicts
-    completion[j] from the prompt and completion[:j]."""
+    completion[j] from the prompt and completion[:j]. `desc`: show a progress bar with it."""
+    bar = tqdm(total=len(seqs), desc=desc, unit="prompt", disable=desc is None, leave=False)
     for start in range(0, len(seqs), batch_size):
         batch = seqs[start : start + batch_size]
         inputs = [p + c[:-1] for p, c in batch]
@@ -32,3 +34,5 @@ def completion_logits(
                        torch.zeros(B, dtype=torch.long), mask)  # fmt: skip
         for b, (p, c) in enumerate(batch):
             yield model.compute_logits(hidden[b, len(p) - 1 : len(p) - 1 + len(c)]).float()
+        bar.update(B)
+    bar.close()
