@@ -346,7 +346,9 @@ def plot(result: dict, plt):
               ("drafters_batch1", _plot_breakdown), ("target_forward_ms_by_rows", _plot_rows),
               ("paired_batch1", _plot_paired))
               if key in result]  # fmt: skip
-    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(5 * max(1, len(panels)), 4))
+    # Bar panels widen with their bars, so labels of many configurations do not overlap.
+    widths = [max(5.0, 0.8 * len(result[key])) for key, _ in panels] or [5.0]
+    fig, axes = plt.subplots(1, len(widths), figsize=(sum(widths), 4), width_ratios=widths)
     axes = axes if len(panels) > 1 else [axes]
     for ax, (key, draw) in zip(axes, panels):
         draw(ax, result[key], result)
@@ -399,7 +401,7 @@ def _bars(ax, rows: dict, title: str) -> None:
         ax.annotate(f"{rows[t]['tokens_per_step']:.2f} tok/step", (i, rows[t]["ms_per_token"]),
                     ha="center", va="bottom", fontsize=8)  # fmt: skip
     ax.set(title=title, ylabel="ms per token")
-    ax.tick_params(axis="x", labelrotation=15)
+    ax.tick_params(axis="x", labelrotation=25)
 
 
 def _plot_rows(ax, rows: dict, result: dict) -> None:
