@@ -10,6 +10,7 @@ import torch
 
 from specinfer import Engine, SamplingParams, graphs, ops
 from specinfer.graphs import GraphRunner
+from specinfer.kv_cache import SEQ_BLOCK
 from test_models import build_pair
 from test_speculative import _tiny_llama
 
@@ -232,10 +233,18 @@ def test_graphs_recorded_in_one_generate_replay_in_the_next(tiny_bf16, spec):
     for runner, before, replays in zip(runners, graphs_before, replays_before):
         assert all(runner._graphs.get(key) is g for key, g in before.items())
         assert runner.replays > replays
-    # A longer batch than the cache holds gets a new cache (and new graphs), same outputs.
+    # Kept caches are allocated in whole SEQ_BLOCKs: a longer batch that still fits reuses
+    # the cache and its graphs (a new cache would mean recording every shape again).
+    kvs = [engine._kept_kv] + [
+        s.kv for s in getattr(engine.drafter, "ssms", []) if hasattr(s, "kv")
+    ]
+    assert all(kv.max_seq_len == SEQ_BLOCK for kv in kvs)
     long = SamplingParams(max_tokens=120, ignore_eos=True)
     longer = [c.token_ids for c in engine.generate(prompts, long)]
     assert [t[:16] for t in longer] == first
+    assert engine._kept_kv is kvs[0]
+    for runner, before in zip(runners, graphs_before):
+        assert all(runner._graphs.get(key) is g for key, g in before.items())
     engine.release()  # memory back; the next call starts over
     assert all(not r._graphs for r in runners) and engine._kept_kv is None
     assert all(s.kv is None for s in getattr(engine.drafter, "ssms", []) if hasattr(s, "kv"))

@@ -19,6 +19,7 @@ from specinfer.budget import TreeBudget
 from specinfer.default_model import default_model_path
 from specinfer.drafting import build_drafter
 from specinfer.graphs import GraphRunner
+from specinfer.kv_cache import kept_capacity
 from specinfer.loader import load_model
 from specinfer.sampling import SamplingParams, make_generator, next_token, probabilities
 from specinfer.streaming import TextStream
@@ -235,8 +236,9 @@ class Engine:
         fills its rows before reading them, so what the last batch left there does no harm."""
         kv = self._kept_kv
         if self._running > 1 or kv is None or not kv.holds(rows, max_seq_len):
-            kv = self.model.make_kv_cache(rows, max_seq_len)
-            if self._running == 1:
+            keep = self._running == 1
+            kv = self.model.make_kv_cache(rows, kept_capacity(max_seq_len) if keep else max_seq_len)
+            if keep:
                 self._kept_kv = kv
         return kv
 

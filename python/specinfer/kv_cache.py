@@ -10,6 +10,16 @@ import torch
 
 from specinfer import ops
 
+# A cache kept from batch to batch grows in steps of this many tokens: a request a little longer
+# than the last then reuses it, and the graphs recorded over it (graphs.py), instead of
+# re-recording every shape (an eager forward each) whenever a new longest request comes.
+SEQ_BLOCK = 256
+
+
+def kept_capacity(max_seq_len: int) -> int:
+    """The sequence length to allocate for a cache that will be kept: whole SEQ_BLOCKs."""
+    return -(-max_seq_len // SEQ_BLOCK) * SEQ_BLOCK
+
 
 class KVCache:
     def __init__(

@@ -18,6 +18,7 @@ from torch import nn
 
 from specinfer import ops
 from specinfer.graphs import GraphRunner
+from specinfer.kv_cache import kept_capacity
 from specinfer.sampling import SamplingParams, probabilities
 from specinfer.tree import TokenTree, TreeConfig
 
@@ -75,7 +76,7 @@ class Speculator:
     def reset(self, rows: int, max_seq_len: int) -> None:
         """A new batch: keep the cache (and the graphs recorded over it) if it is large enough."""
         if self.kv is None or not self.kv.holds(rows, max_seq_len):
-            self.kv = self.model.make_kv_cache(rows, max_seq_len)
+            self.kv = self.model.make_kv_cache(rows, kept_capacity(max_seq_len))
         self.cached = [0] * self.kv.rows
 
     def release(self) -> None:
