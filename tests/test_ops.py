@@ -10,15 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from marks import gpu
 from specinfer import ops
 
 _C = pytest.importorskip("specinfer._C")
-
-
-def gpu(test):
-    """A CUDA test: marked `gpu` (`pytest -m gpu`) and skipped with a reason without a device."""
-    needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-    return pytest.mark.gpu(needs_cuda(test))
 
 
 def tree_mask_from_parents(parents: list[int]) -> torch.Tensor:

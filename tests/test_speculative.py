@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import specinfer.engine
+from marks import gpu
 from specinfer import Engine, SamplingParams, drafting
 from specinfer.speculator import Speculator
 from specinfer.tree import TreeConfig, merge_trees
@@ -243,6 +244,29 @@ def test_greedy_with_cut_trees_equals_incremental(tiny_pair, ssm):
         assert [o.token_ids for o in outs] == [r.token_ids for r in reference], cut
         nodes[cut] = sum(o.metrics["tree_nodes"] / o.metrics["steps"] for o in outs)
     assert nodes[True] < nodes[False] and engine.budget.cut > 0
+
+
+@gpu
+@pytest.mark.parametrize(
+    "ssm, tree", [(["other"], "2,1"), (["other", "layers:1", "ngram"], ["2,1", "1,1", None])]
+)
+def test_speculative_on_cuda_equals_incremental(tiny_pair, ssm, tree):
+    """On a GPU (CUDA tree attention, KV commit and top-k expansion), greedy decoding with
+    merged trees, whole or cut, equals incremental decoding on the same device."""
+    target, other = tiny_pair
+    specs = [other if s == "other" else s for s in ssm]
+    prompts = [PROMPT, [3], [5, 5, 1, 0, 2, 4, 4, 5, 5, 1]]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    reference = Engine(target, dtype="float32", device="cuda").generate(prompts, params)
+    for cut in (False, True):
+        engine = Engine(target, dtype="float32", device="cuda", ssm=specs, tree=tree,
+                        adaptive_tree=cut)  # fmt: skip
+        if cut:
+            engine.budget = SteepCosts()
+        outs = engine.generate(prompts, params)
+        assert [o.token_ids for o in outs] == [r.token_ids for r in reference], (ssm, cut)
+        m = outs[2].metrics
+        assert cut or m["tree_nodes"] > m["steps"]  # whole trees: drafted nodes were verified
 
 
 # -- sampling: the same distribution as incremental sampling ------------------------------------
