@@ -300,15 +300,15 @@ def paired(base: dict, args, prompts: list) -> dict:
         whole = name.startswith("whole:")
         config = name.removeprefix("whole:")
         tree, _, ngram = config.partition("+")
-        base = {**base, "adaptive_tree": not whole}
+        kw = {**base, "adaptive_tree": not whole}
         if config == "incremental":
-            engines[name] = Engine(**{**base, "ssm": None})
+            engines[name] = Engine(**{**kw, "ssm": None})
         elif config.startswith("ngram"):
-            engines[name] = Engine(**{**base, "ssm": config})
+            engines[name] = Engine(**{**kw, "ssm": config})
         elif ngram:
-            engines[name] = Engine(**{**base, "ssm": [args.ssm, ngram]}, tree=[tree, None])
+            engines[name] = Engine(**{**kw, "ssm": [args.ssm, ngram]}, tree=[tree, None])
         else:
-            engines[name] = Engine(**base, tree=tree)
+            engines[name] = Engine(**kw, tree=tree)
     runs = {name: [] for name in engines}
     for prompt in prompts:
         for name, engine in engines.items():

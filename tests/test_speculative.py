@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import specinfer.engine
-from marks import gpu
+from marks import CUDA
 from specinfer import Engine, SamplingParams, drafting
 from specinfer.speculator import Speculator
 from specinfer.tree import TreeConfig, merge_trees
@@ -227,46 +227,26 @@ def test_speculative_metrics_and_bad_configs(tiny_pair):
         Engine(target, ssm="ngram:width=3")
 
 
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("ssm", [["other", "ngram"], ["other", 1]])
-def test_greedy_with_cut_trees_equals_incremental(tiny_pair, ssm):
+def test_greedy_with_cut_trees_equals_incremental(tiny_pair, ssm, device):
+    """Merged trees, whole and cut, equal incremental decoding on the same device (on a GPU:
+    the CUDA tree attention, KV commit and top-k expansion)."""
     target, other = tiny_pair
     specs = [other if s == "other" else s for s in ssm]
     prompts = [PROMPT, [3], [5, 5, 1, 0, 2, 4, 4, 5, 5, 1], [2, 3]]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    reference = Engine(target, dtype="float32").generate(prompts, params)
+    reference = Engine(target, dtype="float32", device=device).generate(prompts, params)
     nodes = {}
     for cut in (False, True):
-        engine = Engine(target, dtype="float32", ssm=specs, tree="2,2,1", max_batch_size=3,
-                        adaptive_tree=cut)  # fmt: skip
+        engine = Engine(target, dtype="float32", device=device, ssm=specs, tree="2,2,1",
+                        max_batch_size=3, adaptive_tree=cut)  # fmt: skip
         if cut:
             engine.budget = SteepCosts()  # cuts whatever the machine's timings
         outs = engine.generate(prompts, params)  # 4 prompts on 3 rows: a row gets reused
         assert [o.token_ids for o in outs] == [r.token_ids for r in reference], cut
         nodes[cut] = sum(o.metrics["tree_nodes"] / o.metrics["steps"] for o in outs)
     assert nodes[True] < nodes[False] and engine.budget.cut > 0
-
-
-@gpu
-@pytest.mark.parametrize(
-    "ssm, tree", [(["other"], "2,1"), (["other", "layers:1", "ngram"], ["2,1", "1,1", None])]
-)
-def test_speculative_on_cuda_equals_incremental(tiny_pair, ssm, tree):
-    """On a GPU (CUDA tree attention, KV commit and top-k expansion), greedy decoding with
-    merged trees, whole or cut, equals incremental decoding on the same device."""
-    target, other = tiny_pair
-    specs = [other if s == "other" else s for s in ssm]
-    prompts = [PROMPT, [3], [5, 5, 1, 0, 2, 4, 4, 5, 5, 1]]
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
-    reference = Engine(target, dtype="float32", device="cuda").generate(prompts, params)
-    for cut in (False, True):
-        engine = Engine(target, dtype="float32", device="cuda", ssm=specs, tree=tree,
-                        adaptive_tree=cut)  # fmt: skip
-        if cut:
-            engine.budget = SteepCosts()
-        outs = engine.generate(prompts, params)
-        assert [o.token_ids for o in outs] == [r.token_ids for r in reference], (ssm, cut)
-        m = outs[2].metrics
-        assert cut or m["tree_nodes"] > m["steps"]  # whole trees: drafted nodes were verified
 
 
 # -- sampling: the same distribution as incremental sampling ------------------------------------

@@ -18,6 +18,8 @@ reproduce its output, so its trees must not depend on timings.
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 from specinfer.sampling import SamplingParams
 from specinfer.tree import TokenTree
 
@@ -63,27 +65,27 @@ class TreeBudget:
         """Per tree (params: its request's), the node ids to keep (root included, parents before
         children)."""
         whole = [list(range(len(t))) for t in trees]
-        if any(q >= 0 for t in trees for q in t.prop_q):
+        sampled = any(q >= 0 for t in trees for q in t.prop_q)
+        if sampled or any(p.seed is not None and not p.greedy for p in params):
             return whole
-        if any(p.seed is not None and not p.greedy for p in params):
-            return whole
-        B = len(trees)
-        ranked = []
+        widest = max(len(t) for t in trees)
+        orders, gains = [], [float(len(trees))] * widest  # gains[w - 1]: expected tokens at w
         for tree in trees:
             value = self.values(tree)
             # Ties keep the smaller id, so a kept node's parent is always kept.
             order = sorted(range(1, len(tree)), key=lambda n: (-value[n], n))
-            ranked.append((order, value))
-        widest = max(len(t) for t in trees)
+            orders.append(order)
+            top = list(accumulate((value[n] for n in order), initial=0.0))  # top[k]: best k nodes
+            for width in range(1, widest + 1):
+                gains[width - 1] += top[min(width - 1, len(order))]
         best, best_score = widest, -1.0
         for width in range(1, widest + 1):
-            seconds = self.overhead + self.estimate(B, width)
+            seconds = self.overhead + self.estimate(len(trees), width)
             if seconds <= 0:
                 return whole  # nothing timed yet: verify everything and learn
-            gain = sum(1 + sum(value[n] for n in order[: width - 1]) for order, value in ranked)
-            if gain / seconds > best_score:
-                best, best_score = width, gain / seconds
-        return [sorted([0] + order[: best - 1]) for order, _ in ranked]
+            if gains[width - 1] / seconds > best_score:
+                best, best_score = width, gains[width - 1] / seconds
+        return [sorted([0] + order[: best - 1]) for order in orders]
 
     def estimate(self, batch: int, width: int) -> float:
         """The target forward's time at this width: measured, else a lower bound, which makes

@@ -39,7 +39,8 @@ def boost(recipe: SSMRecipe, examples: list[dict], held_out: list[dict], n: int,
         stage = {"ssm": name, "trained_on": len(train), "covered": sum(matched),
                  "coverage": 1 - len(remaining) / len(examples)}  # fmt: skip
         if held_out:
-            stage.update(held_out_report(ssm, name, held_out, held_covered, match))
+            report, held_covered = held_out_report(ssm, name, held_out, held_covered, match)
+            stage.update(report)
         stages.append(stage)
     return {"rule": rule, "ssms": stages}
 
@@ -62,19 +63,20 @@ def independent(recipe: SSMRecipe, examples: list[dict], held_out: list[dict], n
         ]
         entry = {"ssm": name, "trained_on": len(part), "coverage": sum(covered) / len(examples)}
         if held_out:
-            entry.update(held_out_report(ssm, name, held_out, held_covered, match))
+            report, held_covered = held_out_report(ssm, name, held_out, held_covered, match)
+            entry.update(report)
         ssms.append(entry)
     return {"rule": rule, "mode": mode, "ssms": ssms}
 
 
 def held_out_report(ssm: nn.Module, name: str, held_out: list[dict], held_covered: list[bool],
-                    match) -> dict:  # fmt: skip
-    """The set's held-out coverage once this SSM joins it (`held_covered` is updated in
-    place), and this SSM's top-1/3/5 agreement on the held-out prompts."""
-    for i, hit in enumerate(covers(ssm, held_out, match, f"{name}: held-out coverage")):
-        held_covered[i] = held_covered[i] or hit
+                    match) -> tuple[dict, list[bool]]:  # fmt: skip
+    """The set's held-out coverage once this SSM joins it and this SSM's top-1/3/5 agreement
+    on the held-out prompts; and the held-out prompts the set now covers."""
+    hits = covers(ssm, held_out, match, f"{name}: held-out coverage")
+    covered = [a or b for a, b in zip(held_covered, hits)]
     top_k = agreement(ssm, held_out, f"{name}: held-out agreement")
-    return {"held_out_coverage": sum(held_covered) / len(held_out), "held_out_agreement": top_k}
+    return {"held_out_coverage": sum(covered) / len(held_out), "held_out_agreement": top_k}, covered
 
 
 def covers(ssm: nn.Module, examples: list[dict], match, desc: str | None = None) -> list[bool]:

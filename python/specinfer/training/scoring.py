@@ -21,18 +21,19 @@ def completion_logits(
 ) -> Iterator[torch.Tensor]:
     """Yields, per sequence, float32 logits [len(completion), vocab]: row j predicts
     completion[j] from the prompt and completion[:j]. `desc`: show a progress bar with it."""
-    bar = tqdm(total=len(seqs), desc=desc, unit="prompt", disable=desc is None, leave=False)
-    for start in range(0, len(seqs), batch_size):
-        batch = seqs[start : start + batch_size]
-        inputs = [p + c[:-1] for p, c in batch]
-        T = max(len(x) for x in inputs)
-        ids = torch.tensor([x + [0] * (T - len(x)) for x in inputs])  # padding sits after, unseen
-        B = len(batch)
-        kv = model.make_kv_cache(B, T)
-        mask = torch.ones(T, T, dtype=torch.bool).tril().expand(B, T, T)
-        hidden = model(ids, torch.arange(T).expand(B, T), kv, torch.arange(B),
-                       torch.zeros(B, dtype=torch.long), mask)  # fmt: skip
-        for b, (p, c) in enumerate(batch):
-            yield model.compute_logits(hidden[b, len(p) - 1 : len(p) - 1 + len(c)]).float()
-        bar.update(B)
-    bar.close()
+    with tqdm(total=len(seqs), desc=desc, unit="prompt", disable=desc is None, leave=False) as bar:
+        for start in range(0, len(seqs), batch_size):
+            batch = seqs[start : start + batch_size]
+            inputs = [p + c[:-1] for p, c in batch]
+            T = max(len(x) for x in inputs)
+            ids = torch.tensor(
+                [x + [0] * (T - len(x)) for x in inputs]
+            )  # padding sits after, unseen
+            B = len(batch)
+            kv = model.make_kv_cache(B, T)
+            mask = torch.ones(T, T, dtype=torch.bool).tril().expand(B, T, T)
+            hidden = model(ids, torch.arange(T).expand(B, T), kv, torch.arange(B),
+                           torch.zeros(B, dtype=torch.long), mask)  # fmt: skip
+            for b, (p, c) in enumerate(batch):
+                yield model.compute_logits(hidden[b, len(p) - 1 : len(p) - 1 + len(c)]).float()
+            bar.update(B)
