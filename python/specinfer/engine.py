@@ -21,7 +21,13 @@ from specinfer.drafting import build_drafter
 from specinfer.graphs import GraphRunner
 from specinfer.kv_cache import kept_capacity
 from specinfer.loader import load_model
-from specinfer.sampling import SamplingParams, make_generator, next_token, probabilities
+from specinfer.sampling import (
+    Penalties,
+    SamplingParams,
+    make_generator,
+    next_token,
+    probabilities,
+)
 from specinfer.streaming import TextStream
 from specinfer.tokenizer import TokenizerWrapper
 from specinfer.tree import TokenTree, TreeConfig
@@ -41,11 +47,12 @@ class Completion:
 
 
 class _Request:
-    def __init__(
-        self, index: int, prompt_ids: list[int], params: SamplingParams, stream: TextStream
-    ):
+    def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams,
+                 stream: TextStream, vocab_size: int, device: torch.device):  # fmt: skip
         self.index, self.prompt_ids, self.params, self.stream = index, prompt_ids, params, stream
-        self.generator = make_generator(params.seed)
+        # On the device the logits live on: torch draws with a generator of the tensor's device.
+        self.generator = make_generator(params.seed, device)
+        self.penalties = Penalties(params, prompt_ids, vocab_size)
         self.output_ids: list[int] = []
         self.text = ""
         self.finish_reason: str | None = None
@@ -183,7 +190,14 @@ class Engine:
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
         # Validate everything before any work starts, so one bad prompt costs no other its output.
         return [
-            _Request(i, self._prompt_ids(i, p), sp, TextStream(self.tokenizer, sp.stop))
+            _Request(
+                i,
+                self._prompt_ids(i, p),
+                sp,
+                TextStream(self.tokenizer, sp.stop),
+                self.config.vocab_size,
+                self.device,
+            )  # fmt: skip
             for i, (p, sp) in enumerate(zip(prompts, params))
         ]
 
@@ -267,7 +281,7 @@ class Engine:
                     logits = self._forward(kv, group, [r.prompt_ids for r in group])
                     for r, lg in zip(group, logits):
                         r.metrics["prefill_s"] = time.perf_counter() - t0
-                        yield from self._append(r, [next_token(lg, r.params, r.generator)])
+                        yield from self._append(r, [self._next_token(r, lg)])
                         if r.finish_reason is None:
                             active.append(r)
                         else:
@@ -277,9 +291,7 @@ class Engine:
             if self.drafter is None:
                 t0 = time.perf_counter()
                 logits = self._forward(kv, active, [[r.output_ids[-1]] for r in active])
-                new_tokens = [
-                    [next_token(lg, r.params, r.generator)] for r, lg in zip(active, logits)
-                ]
+                new_tokens = [[self._next_token(r, lg)] for r, lg in zip(active, logits)]
                 for r in active:
                     r.metrics["target_s"] += time.perf_counter() - t0
             else:
@@ -362,11 +374,20 @@ class Engine:
                 accepted[depth] += 1
         return [tree.path_tokens(path[1:]) + [nxt] for tree, (path, nxt) in zip(trees, verified)]
 
+    @staticmethod
+    def _next_token(r: _Request, logits: torch.Tensor) -> int:
+        """The request's next token from the logits [V] after all its tokens so far."""
+        logits = r.penalties.apply(logits[None], r.output_ids)[0]
+        return next_token(logits, r.params, r.generator)
+
     def _verify(self, r: _Request, tree: TokenTree, logits: torch.Tensor) -> tuple[list[int], int]:
+        # Node u's logits are penalised as incremental decoding would after u's path.
+        logits = r.penalties.apply(logits, r.output_ids, tree.branches())
         if r.params.greedy:
             return verify.verify_greedy(tree.parents, tree.tokens, logits.argmax(-1))
         p = probabilities(logits, r.params.temperature, r.params.top_k, r.params.top_p)
-        seed = int(torch.randint(0, 2**62, (1,), generator=r.generator))
+        gen = r.generator
+        seed = int(torch.randint(0, 2**62, (1,), generator=gen, device=gen.device))
         if self.verifier == "naive":
             return verify.verify_naive(tree.parents, tree.tokens, p, seed)
         q = torch.stack(tree.q_rows) if tree.q_rows else None

@@ -1,7 +1,9 @@
-"""Sampling parameters and the one function that turns logits into the distribution we sample.
+"""Sampling parameters, repetition penalties, and the one function that turns logits into the
+distribution we sample.
 
 Speculative verification must compare the *same* adjusted distributions the incremental sampler
-draws from, so temperature / top-k / top-p are applied in exactly one place: `probabilities`.
+draws from, so temperature / top-k / top-p are applied in exactly one place (`probabilities`),
+and the penalties in exactly one other (`Penalties.apply`), which every caller runs first.
 """
 
 from __future__ import annotations
@@ -17,6 +19,11 @@ class SamplingParams:
 
     temperature 0 means greedy (argmax). top_k 0 and top_p 1 disable those filters.
     A stop string ends the output just before it; EOS ends it unless ignore_eos.
+    Penalties (applied to the logits before temperature, greedy decoding included):
+    repetition_penalty (HF's definition; 1 = off) divides a positive logit and multiplies a
+    negative one of every token seen in the prompt or the output; presence_penalty and
+    frequency_penalty (the OpenAI API's, in [-2, 2]; 0 = off) subtract, from the logit of each
+    token the output holds, the presence penalty once and the frequency penalty per occurrence.
     """
 
     max_tokens: int = 128
@@ -26,6 +33,9 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -44,6 +54,21 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
+
+    @property
+    def penalized(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
     @property
     def greedy(self) -> bool:
@@ -70,6 +95,56 @@ def probabilities(
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+class Penalties:
+    """The repetition penalties of one request, applied to logits given the tokens it holds.
+
+    Under speculation each tree node's logits are penalised by the tokens of its own path: the
+    request's committed output plus the node's branch (its ancestors below the root, and itself),
+    which is exactly what incremental decoding would have seen at that point, so greedy
+    verification and speculative sampling stay exact."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int):
+        self.params, self.vocab_size = params, vocab_size
+        self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool)
+        self.in_prompt[torch.tensor(prompt_ids, dtype=torch.long)] = True
+
+    def apply(
+        self,
+        logits: torch.Tensor,
+        output_ids: list[int],
+        branches: list[list[int]] | None = None,
+        vocab_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Penalised float32 logits [N, C] (unchanged when no penalty is set). Row i follows
+        output_ids + branches[i] (no branches: output_ids alone); column j is token
+        vocab_ids[j] (default: token j)."""
+        p = self.params
+        if not p.penalized:
+            return logits
+        rows = logits.shape[0]
+        counts = torch.bincount(
+            torch.tensor(output_ids, dtype=torch.long), minlength=self.vocab_size
+        )
+        counts = counts.to(torch.float32).expand(rows, -1).clone()
+        if branches:
+            row = torch.tensor([i for i, b in enumerate(branches) for _ in b], dtype=torch.long)
+            col = torch.tensor([t for b in branches for t in b], dtype=torch.long)
+            counts.index_put_((row, col), torch.ones(len(col)), accumulate=True)
+        seen = self.in_prompt | (counts > 0)
+        if vocab_ids is not None:
+            counts, seen = counts[:, vocab_ids.cpu()], seen[:, vocab_ids.cpu()]
+        counts, seen = counts.to(logits.device), seen.to(logits.device)
+        logits = logits.float()
+        if p.repetition_penalty != 1.0:
+            scaled = torch.where(
+                logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty
+            )
+            logits = torch.where(seen, scaled, logits)
+        if p.presence_penalty or p.frequency_penalty:
+            logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
+        return logits
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:

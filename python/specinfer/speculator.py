@@ -89,8 +89,8 @@ class Speculator:
         self.cached[row] = 0
 
     def draft(self, batch: list, tokens: list[list[int]], max_depths: list[int]) -> list[TokenTree]:
-        """Draft one tree per request. `batch[b]` has .row, .params and .generator; tokens[b]
-        is its whole sequence; max_depths[b] caps its depth."""
+        """Draft one tree per request. `batch[b]` has .row, .params, .generator, .penalties and
+        .output_ids; tokens[b] is its whole sequence; max_depths[b] caps its depth."""
         dev = self.kv.k[0].device
         B = len(batch)
         row_ids = [r.row for r in batch]
@@ -113,8 +113,13 @@ class Speculator:
             if not live:
                 break
             for b in live:
-                r, tree, start = batch[b], trees[b], len(trees[b])
-                self._expand(tree, list(frontier[b]), logits[b], width, r.params, r.generator)
+                r, tree, nodes = batch[b], trees[b], list(frontier[b])
+                # The request's penalties apply to the SSM's logits as to the target's (each
+                # node's by its own path): its proposals then avoid what the target's penalised
+                # logits avoid, and a sampled child's recorded q is what it was drawn from.
+                lg = r.penalties.apply(logits[b], r.output_ids, tree.branches(nodes), self.head_ids)
+                start = len(tree)
+                self._expand(tree, nodes, lg, width, r.params, r.generator)
                 frontier[b] = range(start, len(tree))
             self._add_level(ancestors, trees, frontier, live)
             # Leaves (the last level, or the request's depth cap) need no SSM step.

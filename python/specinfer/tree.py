@@ -132,6 +132,14 @@ class TokenTree:
                 node = self.parents[node]
         return mask
 
+    def branches(self, nodes: list[int] | None = None) -> list[list[int]]:
+        """Per node (default: all), the tokens of its path below the root, itself included: what
+        the request would hold after it, past its committed tokens."""
+        below = [[]]
+        for n in range(1, len(self)):  # parents come before children
+            below.append(below[self.parents[n]] + [self.tokens[n]])
+        return below if nodes is None else [below[n] for n in nodes]
+
     def path_tokens(self, path: list[int]) -> list[int]:
         return [self.tokens[n] for n in path]
 

@@ -1,0 +1,259 @@
+"""Repetition, presence and frequency penalties: their definitions (HF's and the OpenAI API's),
+and speculation that stays exact with them on (greedy token-identical to incremental decoding,
+sampling chi-squared against the exact penalised incremental distribution)."""
+
+import pytest
+import torch
+
+from specinfer import Engine, SamplingParams
+from specinfer.sampling import Penalties
+from specinfer.tree import TokenTree, TreeConfig
+from test_speculative import PROMPT, VOCAB, _chi_squared_p, tiny_pair  # noqa: F401
+
+PENALTIES = {"repetition_penalty": 1.4, "presence_penalty": 0.6, "frequency_penalty": 0.4}
+
+
+def _reference(logits, prompt, output, repetition=1.0, presence=0.0, frequency=0.0):
+    """The definitions, one token at a time: HF's repetition penalty over prompt + output,
+    then the OpenAI API's presence and frequency penalties over the output."""
+    out = logits.double().clone()
+    for t in set(prompt) | set(output):
+        out[t] = out[t] / repetition if out[t] > 0 else out[t] * repetition
+    for t in set(output):
+        out[t] -= frequency * output.count(t) + presence
+    return out
+
+
+def test_penalties_follow_their_definitions():
+    torch.manual_seed(0)
+    V = 50
+    logits = torch.randn(V) * 3
+    prompt, output = [1, 2, 3, 3, 7], [3, 9, 9, 9, 12, 1]
+    params = SamplingParams(**PENALTIES)
+    ours = Penalties(params, prompt, V).apply(logits[None], output)[0]
+    expected = _reference(logits, prompt, output, 1.4, 0.6, 0.4)
+    torch.testing.assert_close(ours.double(), expected, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(ours, logits), "penalties changed nothing"
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.RepetitionPenaltyLogitsProcessor(1.4)
+    hf_out = hf(torch.tensor([prompt + output]), logits[None].clone())[0]
+    only_rep = Penalties(SamplingParams(repetition_penalty=1.4), prompt, V).apply(
+        logits[None], output
+    )
+    torch.testing.assert_close(only_rep[0], hf_out)
+
+
+def test_no_penalty_leaves_logits_alone():
+    logits = torch.randn(3, 10)
+    assert Penalties(SamplingParams(), [1], 10).apply(logits, [2, 3], [[4], [5], []]) is logits
+
+
+def test_each_branch_is_penalised_as_its_own_sequence():
+    """Row i after output + branches[i], restricted to a head subset, equals the full
+    penalised logits of output + branches[i] at those columns."""
+    torch.manual_seed(1)
+    V, params = 20, SamplingParams(**PENALTIES)
+    pen = Penalties(params, [0, 5], V)
+    branches = [[], [4], [4, 4], [6, 5]]
+    logits = torch.randn(len(branches), V)
+    rows = pen.apply(logits, [5, 8], branches)
+    for i, branch in enumerate(branches):
+        alone = pen.apply(logits[i : i + 1], [5, 8] + branch)[0]
+        assert torch.equal(rows[i], alone)
+    head = torch.tensor([4, 5, 19, 0])
+    sub = pen.apply(logits[:, head], [5, 8], branches, head)
+    assert torch.equal(sub, rows[:, head])
+
+
+def test_tree_branches_are_root_to_node_tokens():
+    tree = TokenTree(7)
+    a = tree.propose(0, 1)
+    b = tree.propose(a, 2)
+    c = tree.propose(0, 3)
+    assert tree.branches() == [[], [1], [1, 2], [3]]
+    assert tree.branches([b, c]) == [[1, 2], [3]]
+
+
+@pytest.mark.parametrize("bad", [{"repetition_penalty": 0}, {"presence_penalty": 2.5},
+                                 {"frequency_penalty": -3}, {"repetition_penalty": float("inf")}])  # fmt: skip
+def test_bad_penalties_are_rejected(bad):
+    name = next(iter(bad))
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**bad)
+
+
+# -- greedy: token-identical with penalties ------------------------------------------------------
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize(
+    "ssm, tree",
+    [("other", "2,2,1"), (["other", "ngram:max_n=2,depth=4,branches=2"], ["1,3,1", None]), (1, "3,1,1")],
+)  # fmt: skip
+def test_greedy_with_penalties_equals_incremental(tiny_pair, ssm, tree, adaptive):  # noqa: F811
+    target, other = tiny_pair
+    ssm = [other if s == "other" else s for s in ssm] if isinstance(ssm, list) else ssm
+    ssm = other if ssm == "other" else ssm
+    prompts = [PROMPT, [3], [5, 5, 1, 0, 2, 4, 4], [2, 3]]
+    params = SamplingParams(max_tokens=24, ignore_eos=True, **PENALTIES)
+    reference = Engine(target, dtype="float32").generate(prompts, params)
+    plain = Engine(target, dtype="float32").generate(prompts, SamplingParams(24, ignore_eos=True))
+    assert [r.token_ids for r in reference] != [p.token_ids for p in plain], "penalties inert"
+    spec = Engine(target, dtype="float32", ssm=ssm, tree=tree, max_batch_size=3,
+                  adaptive_tree=adaptive)  # fmt: skip
+    outs = spec.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    assert outs[0].metrics["accepted_per_depth"], "nothing was accepted: speculation untested"
+
+
+def test_greedy_check_detects_penalties_ignoring_the_node_path(tiny_pair, monkeypatch):  # noqa: F811
+    """A verifier that penalises every node by the committed output alone (not its own path)
+    diverges from incremental decoding: the test above can fail."""
+    target, other = tiny_pair
+    prompts = [PROMPT, [3], [5, 5, 1, 0, 2, 4, 4], [2, 3]]
+    params = SamplingParams(max_tokens=24, ignore_eos=True, **PENALTIES)
+    reference = Engine(target, dtype="float32").generate(prompts, params)
+    real_apply = Penalties.apply
+    monkeypatch.setattr(Penalties, "apply",
+                        lambda self, lg, out, branches=None, vocab_ids=None:
+                        real_apply(self, lg, out, None, vocab_ids))  # fmt: skip
+    spec = Engine(target, dtype="float32", ssm=target, tree="2,2,1", adaptive_tree=False)
+    outs = spec.generate(prompts, params)
+    assert [o.token_ids for o in outs] != [r.token_ids for r in reference]
+
+
+# -- sampling: the penalised target distribution ------------------------------------------------
+
+SAMPLES = 20_000
+TEMPERATURE = 0.8
+
+
+@pytest.fixture(scope="module")
+def exact_penalised(tiny_pair):  # noqa: F811
+    """P(first 3 tokens) under incremental sampling with PENALTIES, from the target's logits
+    penalised by the reference definitions above."""
+    model = Engine(tiny_pair[0], dtype="float32").model
+    probs = {(): 1.0}
+    for _ in range(3):
+        nxt = {}
+        for prefix, p in probs.items():
+            ids = torch.tensor([PROMPT + list(prefix)])
+            T = ids.shape[1]
+            kv = model.make_kv_cache(1, T)
+            hidden = model(ids, torch.arange(T)[None], kv, torch.tensor([0]), torch.tensor([0]),
+                           torch.ones(1, T, T, dtype=torch.bool).tril())  # fmt: skip
+            logits = _reference(model.compute_logits(hidden[0, -1]), PROMPT, list(prefix),
+                                1.4, 0.6, 0.4)  # fmt: skip
+            dist = torch.softmax(logits / TEMPERATURE, -1)
+            for t in range(VOCAB):
+                nxt[prefix + (t,)] = p * dist[t].item()
+        probs = nxt
+    return probs
+
+
+def _sample_first3(engine: Engine, n: int) -> dict[tuple, int]:
+    params = [SamplingParams(max_tokens=3, seed=s, ignore_eos=True, temperature=TEMPERATURE,
+                             **PENALTIES) for s in range(n)]  # fmt: skip
+    counts: dict[tuple, int] = {}
+    for o in engine.generate([PROMPT] * n, params):
+        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [
+        ("incremental", {}),
+        ("sampled children", {"tree": TreeConfig((3, 2), sample_children=True)}),
+        ("top-k children", {"tree": TreeConfig((2, 2))}),
+        ("merged with ngram", {"ssm": ["other", "ngram:max_n=1,depth=3,branches=2"],
+                               "tree": [TreeConfig((3, 2), sample_children=True), None]}),
+    ],
+)  # fmt: skip
+def test_sampling_with_penalties_matches_incremental(tiny_pair, exact_penalised, name, kwargs):  # noqa: F811
+    target, other = tiny_pair
+    if kwargs:
+        ssm = kwargs.get("ssm", other)
+        ssm = [other if s == "other" else s for s in ssm] if isinstance(ssm, list) else ssm
+        kwargs = {**kwargs, "ssm": ssm}
+    engine = Engine(target, dtype="float32", max_batch_size=512, **kwargs)
+    stat, p = _chi_squared_p(_sample_first3(engine, SAMPLES), exact_penalised, SAMPLES)
+    print(f"\npenalties, {name}: chi2 = {stat:.1f}, p = {p:.3f}")
+    assert p > 0.01, f"{name}: chi2 = {stat:.1f}, p = {p:.2e}"
+
+
+def test_the_test_detects_an_unpenalised_proposal_distribution(tiny_pair, exact_penalised,  # noqa: F811
+                                                               monkeypatch):  # fmt: skip
+    """Children drawn from the penalised SSM distribution but verified against the unpenalised
+    one: biased, and detected."""
+    from specinfer.speculator import Speculator
+
+    real_expand = Speculator._expand
+    unpenalised = {}
+
+    def expand(self, tree, nodes, logits, width, params, generator):
+        start = len(tree.q_rows)
+        real_expand(self, tree, nodes, logits, width, params, generator)
+        for i, row in enumerate(range(start, len(tree.q_rows))):
+            tree.q_rows[row] = unpenalised["q"][i]
+
+    real_apply = Penalties.apply
+
+    def apply(self, logits, output_ids, branches=None, vocab_ids=None):
+        if branches is not None and logits.shape[0] == len(branches) and vocab_ids is None:
+            from specinfer.sampling import probabilities
+
+            unpenalised["q"] = probabilities(logits, TEMPERATURE)  # the SSM's raw distribution
+        return real_apply(self, logits, output_ids, branches, vocab_ids)
+
+    monkeypatch.setattr(Speculator, "_expand", expand)
+    monkeypatch.setattr(Penalties, "apply", apply)
+    engine = Engine(tiny_pair[0], dtype="float32", max_batch_size=512, ssm=tiny_pair[1],
+                    tree=TreeConfig((3, 3), sample_children=True))  # fmt: skip
+    stat, p = _chi_squared_p(_sample_first3(engine, 5_000), exact_penalised, 5_000)
+    print(f"\nunpenalised q: chi2 = {stat:.1f}, p = {p:.2e}")
+    assert p < 1e-3, f"an unpenalised q should be detected: chi2 = {stat:.1f}, p = {p:.3f}"
+
+
+# -- SmolLM2 --------------------------------------------------------------------------------------
+
+
+def _smollm_prompts(n: int) -> list:
+    from test_generation_vs_hf import CHATS, WRITTEN, _stdlib_prompts
+
+    return (WRITTEN + CHATS + _stdlib_prompts(10))[:n]
+
+
+@pytest.mark.parametrize("n, tokens", [(4, 32), pytest.param(20, 64, marks=pytest.mark.slow)])
+def test_smollm_greedy_with_penalties_is_bit_exact(smollm_gguf, n, tokens):
+    """bfloat16 (bit-exact by construction, no near-tie allowance), the shipped SSM merged with
+    prompt lookup, cut trees: what `specinfer generate` runs, with penalties."""
+    prompts = _smollm_prompts(n)
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True, repetition_penalty=1.1,
+                            presence_penalty=0.3, frequency_penalty=0.2)  # fmt: skip
+    reference = Engine(smollm_gguf, dtype="bfloat16", max_batch_size=4).generate(prompts, params)
+    spec = Engine(smollm_gguf, dtype="bfloat16", ssm=["default", "ngram"], max_batch_size=4)
+    outs = spec.generate(prompts, params)
+    same = sum(o.token_ids == r.token_ids for o, r in zip(outs, reference))
+    steps = sum(o.metrics["steps"] for o in outs)
+    print(f"\n{n} prompts x {tokens}: {same} identical; "
+          f"{sum(len(o.token_ids) - 1 for o in outs) / steps:.2f} tokens/step")  # fmt: skip
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+
+
+def test_smollm_repetition_penalty_matches_transformers(smollm_gguf, tmp_path):
+    """Incremental decoding with a repetition penalty equals HF transformers' generate with the
+    same penalty (float32, the same GGUF loaded by transformers)."""
+    transformers = pytest.importorskip("transformers")
+    from test_generation_vs_hf import WRITTEN
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        smollm_gguf.parent, gguf_file=smollm_gguf.name, dtype=torch.float32
+    )
+    engine = Engine(smollm_gguf, dtype="float32")
+    params = SamplingParams(max_tokens=24, ignore_eos=True, repetition_penalty=1.3)
+    for prompt in WRITTEN[:2]:
+        ids = engine.tokenizer.encode(prompt)
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
+                          repetition_penalty=1.3, eos_token_id=None, pad_token_id=0)  # fmt: skip
+        assert engine.generate(ids, params)[0].token_ids == ref[0, len(ids) :].tolist()
