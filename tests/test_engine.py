@@ -99,9 +99,32 @@ def test_missing_model_and_bad_dtype():
 
 def test_cli_streams_a_completion(smollm_gguf, capsys):
     rc = cli_main(["generate", "The capital of France is", "--model", str(smollm_gguf),
-                   "--max-tokens", "6", "--no-chat", "--dtype", "float32"])  # fmt: skip
+                   "--max-tokens", "6", "--no-chat", "--dtype", "float32", "--temperature", "0"])  # fmt: skip
     assert rc == 0
     assert "Paris" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        ([], {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.1}),
+        (["--temperature", "0"], {"temperature": 0.0, "repetition_penalty": 1.0}),
+        (["--temperature", "0", "--repetition-penalty", "1.2"], {"repetition_penalty": 1.2}),
+        (["--presence-penalty", "0.5", "--frequency-penalty", "0.25", "--top-k", "40"],
+         {"presence_penalty": 0.5, "frequency_penalty": 0.25, "top_k": 40}),
+    ],
+)  # fmt: skip
+def test_cli_sampling_defaults(smollm_gguf, monkeypatch, capsys, flags, expected):
+    seen = []
+    monkeypatch.setattr(
+        Engine, "stream", lambda self, prompt, params: seen.append(params) or iter(())
+    )
+    assert (
+        cli_main(["generate", "hi", "--model", str(smollm_gguf), "--mode", "incremental", *flags])
+        == 0
+    )
+    (params,) = seen
+    assert {k: getattr(params, k) for k in expected} == expected
 
 
 def test_cli_reports_bad_arguments(capsys):

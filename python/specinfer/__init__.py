@@ -2,6 +2,7 @@
 
 from specinfer.engine import Completion, Engine
 from specinfer.sampling import SamplingParams
+from specinfer.tree import TokenTree, TreeConfig
 
-__all__ = ["Completion", "Engine", "SamplingParams"]
+__all__ = ["Completion", "Engine", "SamplingParams", "TokenTree", "TreeConfig"]
 __version__ = "0.1.0"

