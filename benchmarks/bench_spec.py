@@ -59,6 +59,16 @@ SECTIONS = ("table1", "table2", "table3", "latency", "trees", "drafters", "ngram
             "paired")  # fmt: skip
 
 
+def parse_sampling(text: str) -> dict:
+    """'temperature=0.2,top_k=40' -> {"temperature": 0.2, "top_k": 40}."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        out[key.strip()] = int(value) if key.strip() in ("top_k", "seed") else float(value)
+    SamplingParams(**out)  # names the bad field now, not after the models load
+    return out
+
+
 def load_prompts(n: int, file: str | None, chat: bool) -> list:
     if file:
         lines = Path(file).read_text().splitlines()
@@ -90,15 +100,17 @@ def tokens_per_step(engine: Engine, prompts: list[str], tokens: int, temperature
     return sum(len(o.token_ids) - 1 for o in outs) / steps
 
 
-def latency_ms(engine: Engine, prompts: list, tokens: int, batch: int) -> dict:
+def latency_ms(engine: Engine, prompts: list, tokens: int, batch: int, sampling=None) -> dict:
     """Per-token latency of requests run `batch` at a time, over every group of the prompts:
-    (time for N tokens - time for 1) / (N - 1), so prefill is excluded."""
+    (time for N tokens - time for 1) / (N - 1), so prefill is excluded. `sampling`: more
+    SamplingParams fields (default: greedy)."""
     groups = [(prompts * batch)[i : i + batch] for i in range(0, max(len(prompts), batch), batch)]
     groups = [g for g in groups if len(g) == batch]
 
     def run(group, n):
         t0 = time.perf_counter()
-        outs = engine.generate(group, SamplingParams(max_tokens=n, ignore_eos=True))
+        params = SamplingParams(max_tokens=n, ignore_eos=True, **(sampling or {}))
+        outs = engine.generate(group, params)
         return time.perf_counter() - t0, outs
 
     run(groups[0], 2)  # warm-up
@@ -161,6 +173,13 @@ def main() -> None:
     parser.add_argument("--paired", nargs="+", default=["incremental", "ngram", "1+ngram", "1,1+ngram"],
                         help="configurations of the paired section")  # fmt: skip
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument(
+        "--sampling",
+        type=parse_sampling,
+        default=None,
+        help="the paired section's SamplingParams, e.g. temperature=0.2,top_p=0.9,"
+        "repetition_penalty=1.1 (generate's defaults; default: greedy)",
+    )
     parser.add_argument("--out", default="benchmarks/results/spec.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -170,7 +189,7 @@ def main() -> None:
     result = {"ssm": args.ssm, "ssm_head": args.ssm_head, "ngram": args.ngram, "dtype": args.dtype,
               "threads": args.threads, "tokens": args.tokens, "prompts": len(prompts),
               "tree": args.tree, "chat": args.chat, "prompts_file": args.prompts_file,
-              "trees_ngram": args.trees_ngram}  # fmt: skip
+              "trees_ngram": args.trees_ngram, "sampling": args.sampling}  # fmt: skip
     run = set(args.sections)
 
     if "table1" in run:
@@ -312,7 +331,7 @@ def paired(base: dict, args, prompts: list) -> dict:
     runs = {name: [] for name in engines}
     for prompt in prompts:
         for name, engine in engines.items():
-            runs[name].append(latency_ms(engine, [prompt], args.tokens, batch=1))
+            runs[name].append(latency_ms(engine, [prompt], args.tokens, 1, args.sampling))
     result = {}
     for name, rows in runs.items():
         result[name] = {

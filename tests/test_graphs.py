@@ -10,7 +10,6 @@ import torch
 
 from specinfer import Engine, SamplingParams, graphs, ops
 from specinfer.graphs import GraphRunner
-from specinfer.kv_cache import SEQ_BLOCK
 from test_models import build_pair
 from test_speculative import _tiny_llama
 
@@ -219,8 +218,9 @@ def test_graphs_are_kept_up_to_a_row_budget(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("spec", [{}, {"ssm": ["layers:2", "ngram"], "tree": ["1,2", None]}])
 def test_graphs_recorded_in_one_generate_replay_in_the_next(tiny_bf16, spec):
-    """The engine keeps its KV cache (and the SSMs theirs) while the next batch fits, so the
-    second call replays from its first decode step, with the same outputs."""
+    """The engine keeps its KV caches (and the SSMs theirs) from request to request, so a
+    second call replays from its first decode step, with the same outputs; a longer request
+    uses the same caches and graphs (they are sized for max_model_len once, never re-sized)."""
     engine = Engine(tiny_bf16, dtype="bfloat16", max_batch_size=2, **spec)
     prompts = [[1, 4, 2, 2, 4, 1], [3, 3, 1]]
     params = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -233,41 +233,37 @@ def test_graphs_recorded_in_one_generate_replay_in_the_next(tiny_bf16, spec):
     for runner, before, replays in zip(runners, graphs_before, replays_before):
         assert all(runner._graphs.get(key) is g for key, g in before.items())
         assert runner.replays > replays
-    # Kept caches are allocated in whole SEQ_BLOCKs: a longer batch that still fits reuses
-    # the cache and its graphs (a new cache would mean recording every shape again).
-    kvs = [engine._kept_kv] + [
-        s.kv for s in getattr(engine.drafter, "ssms", []) if hasattr(s, "kv")
-    ]
-    assert all(kv.max_seq_len == SEQ_BLOCK for kv in kvs)
+    kvs = [engine.kv.kv] + [s.kv for s in getattr(engine.drafter, "ssms", []) if hasattr(s, "kv")]
+    assert all(kv.max_seq_len >= engine.max_model_len for kv in kvs)
     long = SamplingParams(max_tokens=120, ignore_eos=True)
     longer = [c.token_ids for c in engine.generate(prompts, long)]
     assert [t[:16] for t in longer] == first
-    assert engine._kept_kv is kvs[0]
+    assert engine.kv.kv is kvs[0]
     for runner, before in zip(runners, graphs_before):
         assert all(runner._graphs.get(key) is g for key, g in before.items())
     engine.release()  # memory back; the next call starts over
-    assert all(not r._graphs for r in runners) and engine._kept_kv is None
+    assert all(not r._graphs for r in runners) and engine.kv.kv is None
     assert all(s.kv is None for s in getattr(engine.drafter, "ssms", []) if hasattr(s, "kv"))
     assert [c.token_ids for c in engine.generate(prompts, params)] == first
 
 
-def test_interleaved_streams(tiny_bf16):
-    """Two unfinished streams: an incremental engine gives each its own cache; a speculative
-    engine (single-batch SSM state) refuses the second with a clear error."""
+@pytest.mark.parametrize("spec", [{}, {"ssm": "layers:2", "tree": "1,1"}])
+def test_interleaved_streams(tiny_bf16, spec):
+    """Two unfinished streams share the running batch (each step advances both), speculative
+    or not, with each one's own output; release is refused while one is unfinished, and
+    closing a stream early frees its request."""
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    engine = Engine(tiny_bf16, dtype="bfloat16")
+    engine = Engine(tiny_bf16, dtype="bfloat16", **spec)
     expected = [engine.generate(p, params)[0].text for p in ("t1 t4 t2", "t3 t3")]
     a, b = engine.stream("t1 t4 t2", params), engine.stream("t3 t3", params)
     texts = ["", ""]
     for pieces in zip_longest(a, b, fillvalue=""):  # one step of each in turn
         texts = [t + p for t, p in zip(texts, pieces)]
     assert texts == expected
-    spec = Engine(tiny_bf16, dtype="bfloat16", ssm="layers:2", tree="1,1")
-    first = spec.stream("t1 t4 t2", params)
+    first = engine.stream("t1 t4 t2", params)
     next(first)
-    with pytest.raises(RuntimeError, match="unfinished stream"):
-        next(spec.stream("t3 t3", params))
-    with pytest.raises(RuntimeError, match="cannot release while a batch runs"):
-        spec.release()
+    with pytest.raises(RuntimeError, match="cannot release while requests run"):
+        engine.release()
     first.close()  # closing the stream frees the engine
-    assert spec.generate("t3 t3", params)[0].text == expected[1]
+    assert not engine.has_unfinished()
+    assert engine.generate("t3 t3", params)[0].text == expected[1]

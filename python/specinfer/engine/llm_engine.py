@@ -1,0 +1,396 @@
+"""Engine: requests join and leave at every step; each step decodes every running request (one
+target forward for all their token trees) and prefills prompts in chunks.
+
+`add_request` / `step` / `abort` are the serving API (AsyncEngine runs them on a thread);
+`generate`, `stream` and `chat` are thin loops over them. The jobs live in their own modules:
+sequence (a request's state), scheduler (admission, chunked prefill), kv_manager (cache rows),
+model_runner (the target's forwards), spec_step (draft, cut, verify, commit), output (text, stops).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from specinfer.budget import TreeBudget
+from specinfer.default_model import default_model_path
+from specinfer.drafting import build_drafter
+from specinfer.engine.kv_manager import KVManager
+from specinfer.engine.model_runner import ModelRunner
+from specinfer.engine.output import append_tokens
+from specinfer.engine.scheduler import Scheduler
+from specinfer.engine.sequence import Completion, RequestOutput
+from specinfer.engine.sequence import Sequence as Seq
+from specinfer.engine.spec_step import speculative_step
+from specinfer.loader import load_model
+from specinfer.sampling import SamplingParams, next_token
+from specinfer.streaming import TextStream
+from specinfer.tokenizer import TokenizerWrapper
+from specinfer.tree import TreeConfig
+
+Prompt = str | list[int] | list[dict]  # text, token ids, or chat messages
+DEFAULT_MAX_MODEL_LEN = 2048  # tokens per request unless the model's context is shorter
+
+
+class Engine:
+    """Serve one model. `Engine()` loads the embedded default (SmolLM2-135M-Instruct)."""
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device = "cpu",
+        threads: int | None = None,
+        max_batch_size: int = 16,
+        max_model_len: int | None = None,
+        max_tokens_per_step: int = 512,
+        kv_budget: int | None = None,
+        ssm: str | Path | int | list | None = None,
+        tree: TreeConfig | str | list | None = None,
+        mode: str | None = None,
+        verifier: str = "mss",
+        ssm_head: int | None = None,
+        adaptive_tree: bool = True,
+    ):
+        """mode: "incremental" (no SSM), "sequence" (chains as deep as the trees) or "tree"
+        (default when an SSM is given). ssm: a model path sharing the target's tokenizer, an
+        int L / "layers:L" for the target's first L layers, "ngram[:key=value,...]" for prompt
+        lookup, or a list of these: their trees are merged into one. tree: one config for all
+        model SSMs or a list per SSM (None at n-gram entries). ssm_head: N restricts the model
+        SSMs' LM head to N tokens (see drafting.head_token_ids; 0 = full head). verifier:
+        "mss" (multi-step speculative sampling) or "naive" (the ablation) for sampling.
+        adaptive_tree: verify only the part of each drafted tree that pays for its rows in the
+        target forward (see budget.TreeBudget; lossless); False verifies the whole tree.
+
+        Serving: max_batch_size requests run at once (one KV row each); max_model_len caps a
+        request's prompt + output (default: the model's context, at most 2048); kv_budget (in
+        tokens, default max_batch_size x max_model_len) caps the KV caches: fewer rows when it
+        is smaller; max_tokens_per_step caps the tokens a step runs (decoding requests count
+        one each, prompts fill the rest in chunks)."""
+        if threads is not None:
+            torch.set_num_threads(threads)
+        for name, value in (("max_batch_size", max_batch_size),
+                            ("max_tokens_per_step", max_tokens_per_step)):  # fmt: skip
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        path = Path(model) if model is not None else default_model_path()
+        if not path.exists():
+            raise FileNotFoundError(
+                f"model not found: {path} (a local HF directory or a .gguf file)"
+            )
+        self.mode = mode or ("tree" if ssm is not None else "incremental")
+        if self.mode not in ("incremental", "sequence", "tree"):
+            raise ValueError(f"mode must be 'incremental', 'sequence' or 'tree', got {self.mode!r}")
+        if verifier not in ("mss", "naive"):
+            raise ValueError(f"verifier must be 'mss' or 'naive', got {verifier!r}")
+        if self.mode != "incremental" and ssm is None:
+            raise ValueError(f"mode {self.mode!r} needs an ssm (a model path, layers:L or ngram)")
+        self.model_path = path
+        self.model = load_model(path, dtype=self.dtype, device=self.device)
+        self.config = self.model.config
+        self.tokenizer = TokenizerWrapper.from_path(path)
+        self.verifier = verifier
+        self.drafter = None
+        self.budget = None
+        if self.mode != "incremental":
+            self.drafter = build_drafter(ssm, tree, self.model, path, self.dtype, self.device,
+                                         ssm_head, chains=self.mode == "sequence")  # fmt: skip
+            self.budget = TreeBudget() if adaptive_tree else None
+        self.context = self.config.max_position_embeddings
+        self.max_model_len = _max_model_len(max_model_len, self.context)
+        # Room after the longest request for a tree (and the padding of batched levels).
+        row_len = self.max_model_len + (2 * self.drafter.num_nodes if self.drafter else 0)
+        rows = max_batch_size
+        if kv_budget is not None:
+            if not isinstance(kv_budget, int) or kv_budget < row_len:
+                raise ValueError(
+                    f"kv_budget must be an integer number of tokens >= {row_len} (one request "
+                    f"of max_model_len={self.max_model_len} and its tree), got {kv_budget!r}"
+                )
+            rows = min(rows, kv_budget // row_len)
+        self.max_batch_size = rows
+        self.runner = ModelRunner(self.model, self.device)
+        self.run_model = self.runner.graphs
+        self.kv = KVManager(self.model, self.drafter, rows, row_len)
+        self.scheduler = Scheduler(self.kv, max_tokens_per_step)
+        self._ids = itertools.count()
+        self._deltas: dict[str, list[str]] = {}  # request id -> text not yet taken by stream()
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.counters["spec_accepted_per_depth"] = []
+        eos = self.config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_ids.add(self.tokenizer.eos_token_id)
+
+    # -- serving API ----------------------------------------------------------------------------
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:  # fmt: skip
+        """Queue a request (it joins the running batch at the next step with a free row);
+        returns its id. Raises ValueError for bad input before anything is queued."""
+        seq = self.make_sequence(prompt, params, request_id)
+        self.add_sequence(seq)
+        return seq.request_id
+
+    def make_sequence(self, prompt: Prompt, params: SamplingParams | None = None,
+                      request_id: str | None = None, index: int = 0) -> Seq:  # fmt: skip
+        """A validated request, not yet queued (AsyncEngine builds it on the caller's thread)."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        ids = self.prompt_ids(prompt, index)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        max_len = min(len(ids) + params.max_tokens, self.max_model_len)
+        return Seq(request_id, ids, params, TextStream(self.tokenizer, params.stop), max_len,
+                   self.config.vocab_size, self.device)  # fmt: skip
+
+    def add_sequence(self, seq: Seq) -> None:
+        if self.scheduler.find(seq.request_id) is not None:
+            raise ValueError(f"request id {seq.request_id!r} is already running")
+        self.scheduler.add(seq)
+        self.counters["prompt_tokens_total"] += len(seq.prompt_ids)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its rows; False if it is not queued or running."""
+        seq = self.scheduler.find(request_id)
+        if seq is None:
+            return False
+        seq.finish_reason = "abort"
+        self.scheduler.finish(seq)
+        self._deltas.pop(request_id, None)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """One iteration: decode every running request (speculatively when an SSM is set),
+        prefill the next prompt chunks, finish what is done. Returns what each request gained."""
+        plan = self.scheduler.schedule()
+        outputs = []
+        if plan.decode:
+            if self.drafter is None:
+                t0 = time.perf_counter()
+                logits = self.runner.decode(self.kv.kv, plan.decode)
+                new = [[self._next_token(s, lg)] for s, lg in zip(plan.decode, logits)]
+                for s in plan.decode:
+                    s.metrics["target_s"] += time.perf_counter() - t0
+            else:
+                new, trees = speculative_step(plan.decode, self.kv.kv, self.runner,
+                                              self.drafter, self.budget, self.verifier)  # fmt: skip
+                self._count_speculation(trees, new)
+            for s, tokens in zip(plan.decode, new):
+                s.metrics["steps"] += 1
+                outputs.append(self._append(s, tokens))
+        if plan.prefill:
+            t0 = time.perf_counter()
+            logits = self.runner.prefill(self.kv.kv, plan.prefill)
+            for (s, _), lg in zip(plan.prefill, logits):
+                s.metrics["prefill_s"] += time.perf_counter() - t0
+                if lg is not None:  # the prompt is cached: its first token
+                    outputs.append(self._append(s, [self._next_token(s, lg)]))
+        return outputs
+
+    def stats(self) -> dict:
+        """A snapshot for monitoring (see server/metrics.py for what each counter means)."""
+        return {
+            **self.counters,
+            "spec_accepted_per_depth": list(self.counters["spec_accepted_per_depth"]),
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_used_tokens": self.kv.used_tokens(),
+            "kv_capacity_tokens": self.kv.rows * self.max_model_len,
+        }
+
+    # -- offline API: loops over the serving API ------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[Completion]:
+        """Complete every prompt (text, token ids, or a list of chat messages)."""
+        seqs = self._make_sequences(prompts, params)
+        for seq in seqs:
+            self.add_sequence(seq)
+        try:
+            while not all(s.finished for s in seqs):
+                self.step()
+        finally:
+            for seq in seqs:
+                self.abort(seq.request_id)  # only what an exception left unfinished
+                self._deltas.pop(seq.request_id, None)
+        return [s.completion() for s in seqs]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield the text of one request as it is generated (other requests advance too)."""
+        (seq,) = self._make_sequences([prompt], params)
+        self.add_sequence(seq)
+        self._deltas[seq.request_id] = []
+        try:
+            while True:
+                pending = self._deltas.get(seq.request_id, [])
+                while pending:
+                    yield pending.pop(0)
+                if seq.finished:
+                    break
+                self.step()
+        finally:
+            self.abort(seq.request_id)  # a stream closed early frees its rows
+            self._deltas.pop(seq.request_id, None)
+        self.last_metrics = seq.completion().metrics
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> Completion:
+        return self.generate([messages], params)[0]
+
+    def release(self) -> None:
+        """Free the KV caches and recorded graphs; the next request allocates and records
+        again. Refused while requests are queued or running."""
+        if self.has_unfinished():
+            raise RuntimeError("cannot release while requests run (an unfinished stream()?)")
+        self.kv.release()
+        self.run_model.release()
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def _make_sequences(self, prompts, params) -> list[Seq]:
+        if isinstance(prompts, str) or _is_token_ids(prompts) or _is_messages(prompts):
+            prompts = [prompts]
+        if len(prompts) == 0:
+            raise ValueError("no prompts given")
+        params = params if params is not None else SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+        # Validate everything before any work starts, so one bad prompt costs no other its output.
+        return [
+            self.make_sequence(p, sp, index=i) for i, (p, sp) in enumerate(zip(prompts, params))
+        ]
+
+    def prompt_ids(self, prompt: Prompt, index: int = 0) -> list[int]:
+        """The token ids of a prompt (text, token ids, or chat messages, rendered with the
+        model's chat template); ValueError naming the problem."""
+        if _is_messages(prompt):
+            ids = self.tokenizer.encode(
+                self.tokenizer.apply_chat_template(prompt), add_special_tokens=False
+            )
+        elif isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif _is_token_ids(prompt):
+            ids = list(prompt)
+            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"prompt {index}: token ids out of range [0, {self.config.vocab_size}): {bad[:5]}"
+                )
+        elif isinstance(prompt, list) and not prompt:
+            ids = []
+        else:
+            raise ValueError(
+                f"prompt {index}: expected text, token ids or chat messages, got {type(prompt).__name__}"
+            )
+        if not ids:
+            raise ValueError(f"prompt {index} is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt {index} has {len(ids)} tokens; this engine serves up to "
+                f"max_model_len={self.max_model_len} tokens a request (the model's context is "
+                f"{self.context})"
+            )
+        return ids
+
+    _prompt_ids = prompt_ids  # the name benchmarks and older tests use
+
+    # -- one step's pieces ----------------------------------------------------------------------
+
+    @staticmethod
+    def _next_token(seq: Seq, logits: torch.Tensor) -> int:
+        """The request's next token from the logits [V] after all its tokens so far."""
+        logits = seq.penalties.apply(logits[None], seq.output_ids)[0]
+        return next_token(logits, seq.params, seq.generator)
+
+    def _append(self, seq: Seq, tokens: list[int]) -> RequestOutput:
+        before = len(seq.output_ids)
+        out = append_tokens(seq, tokens, self.eos_ids)
+        self.counters["generation_tokens_total"] += len(seq.output_ids) - before
+        if out.text and seq.request_id in self._deltas:
+            self._deltas[seq.request_id].append(out.text)
+        if out.finished:
+            self.scheduler.finish(seq)
+        return out
+
+    def _count_speculation(self, trees: list, new: list[list[int]]) -> None:
+        """Counters for monitoring: verified drafts, their nodes, accepted nodes per depth."""
+        c = self.counters
+        c["spec_steps_total"] += 1
+        for tree, tokens in zip(trees, new):
+            c["spec_drafts_total"] += 1
+            c["spec_draft_tokens_total"] += len(tree) - 1
+            c["spec_emitted_tokens_total"] += len(tokens)
+            c["spec_accepted_tokens_total"] += len(tokens) - 1
+            by_depth = c["spec_accepted_per_depth"]
+            by_depth += [0] * (len(tokens) - 1 - len(by_depth))
+            for d in range(len(tokens) - 1):
+                by_depth[d] += 1
+
+
+COUNTERS = ("prompt_tokens_total", "generation_tokens_total", "preemptions_total",
+            "spec_steps_total", "spec_drafts_total", "spec_draft_tokens_total",
+            "spec_accepted_tokens_total", "spec_emitted_tokens_total")  # fmt: skip
+
+
+def _max_model_len(value: int | None, context: int) -> int:
+    if value is None:
+        return min(context, DEFAULT_MAX_MODEL_LEN)
+    if not isinstance(value, int) or isinstance(value, bool) or not 2 <= value <= context:
+        raise ValueError(
+            f"max_model_len must be an integer in [2, {context}] (the model's context), got {value!r}"
+        )
+    return value
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """ "auto" is bfloat16: decode is memory-bound, and our CPU linear kernel reads bf16 weights
+    (half the bytes of fp32) on any AVX2 machine; use float32 for bit-level comparisons."""
+    if isinstance(dtype, torch.dtype):
+        chosen = dtype
+    elif dtype == "auto":
+        chosen = torch.bfloat16
+    else:
+        names = {
+            "float32": torch.float32,
+            "fp32": torch.float32,
+            "bfloat16": torch.bfloat16,
+            "bf16": torch.bfloat16,
+            "float16": torch.float16,
+            "fp16": torch.float16,
+        }
+        if dtype not in names:
+            raise ValueError(
+                f"unknown dtype {dtype!r}; use one of 'auto', {', '.join(map(repr, names))}"
+            )
+        chosen = names[dtype]
+    if chosen not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"unsupported dtype {chosen}; use float32 or bfloat16 (float16 on CUDA)")
+    if chosen == torch.float16 and device.type == "cpu":
+        raise ValueError("float16 is not supported on the CPU; use bfloat16 or float32")
+    return chosen
+
+
+def _is_token_ids(x) -> bool:
+    return isinstance(x, list) and len(x) > 0 and all(isinstance(t, int) for t in x)
+
+
+def _is_messages(x) -> bool:
+    return isinstance(x, list) and len(x) > 0 and all(isinstance(m, dict) for m in x)

@@ -1,0 +1,30 @@
+"""Output handling: new tokens become text deltas; EOS, stop strings and length end a request."""
+
+from __future__ import annotations
+
+from specinfer.engine.sequence import RequestOutput, Sequence
+
+
+def append_tokens(seq: Sequence, tokens: list[int], eos_ids: set[int]) -> RequestOutput:
+    """Append tokens until one of them finishes the request (the rest are dropped)."""
+    delta, added = "", []
+    for token in tokens:
+        seq.output_ids.append(token)
+        added.append(token)
+        is_eos = token in eos_ids and not seq.params.ignore_eos
+        if not is_eos:
+            delta += seq.stream.add(token)
+        if seq.stream.stopped or is_eos:
+            seq.finish_reason = "stop"
+        elif len(seq.prompt_ids) + len(seq.output_ids) >= seq.max_len:
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            delta += seq.stream.finish()
+            break
+    seq.text += delta
+    return output_of(seq, delta, added)
+
+
+def output_of(seq: Sequence, delta: str = "", tokens: list[int] | None = None) -> RequestOutput:
+    return RequestOutput(seq.request_id, delta, tokens or [], seq.finish_reason is not None,
+                         seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids))  # fmt: skip

@@ -1,0 +1,65 @@
+"""Which sequences run in the next step: admission, chunked prefill, finishing and aborts.
+
+Each step decodes every running sequence whose prompt is cached, and spends what is left of the
+step's token budget (`max_tokens_per_step`, one token per decoding sequence) on prompts: first
+those already being prefilled, oldest first, then waiting requests in arrival order, each as soon
+as a cache row is free. A long prompt is prefilled in chunks over several steps, so it never
+stalls the others' decoding for more than one chunk.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from specinfer.engine.kv_manager import KVManager
+from specinfer.engine.sequence import Sequence, Status
+
+
+@dataclass
+class Plan:
+    decode: list[Sequence] = field(default_factory=list)
+    prefill: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens now)
+
+
+class Scheduler:
+    def __init__(self, kv: KVManager, max_tokens_per_step: int):
+        self.kv = kv
+        self.max_tokens_per_step = max_tokens_per_step
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Plan:
+        plan = Plan(decode=[s for s in self.running if s.prefilled])
+        budget = max(1, self.max_tokens_per_step - len(plan.decode))
+        for seq in self.running:
+            if not seq.prefilled and budget > 0:
+                n = min(budget, len(seq.prompt_ids) - seq.num_computed)
+                plan.prefill.append((seq, n))
+                budget -= n
+        while self.waiting and budget > 0 and self.kv.allocate(self.waiting[0]):
+            seq = self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            n = min(budget, len(seq.prompt_ids))
+            plan.prefill.append((seq, n))
+            budget -= n
+        return plan
+
+    def finish(self, seq: Sequence) -> None:
+        """The sequence is done (finished or aborted): its rows go back at once."""
+        seq.status = Status.FINISHED
+        self.kv.free(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def find(self, request_id: str) -> Sequence | None:
+        return next((s for s in (*self.running, *self.waiting) if s.request_id == request_id), None)

@@ -1,0 +1,88 @@
+"""One request as the engine serves it: its tokens, status, cache row, generator and metrics."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from specinfer.sampling import Penalties, SamplingParams, make_generator
+from specinfer.streaming import TextStream
+
+
+class Status(Enum):
+    WAITING = "waiting"  # queued, no cache row yet
+    RUNNING = "running"  # has a row: prefilling its prompt (in chunks), then decoding
+    FINISHED = "finished"
+
+
+@dataclass
+class Completion:
+    """The result of one request. finish_reason: "stop" (EOS or a stop string), "length", or
+    "abort" (aborted before it finished)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    metrics: dict = field(default_factory=dict)
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request: the new text and tokens."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 stream: TextStream, max_len: int, vocab_size: int, device: torch.device):  # fmt: skip
+        self.request_id, self.prompt_ids, self.params, self.stream = (
+            request_id, prompt_ids, params, stream)  # fmt: skip
+        self.max_len = max_len  # prompt + generated tokens allowed
+        # On the device the logits live on: torch draws with a generator of the tensor's device.
+        self.generator = make_generator(params.seed, device)
+        self.penalties = Penalties(params, prompt_ids, vocab_size)
+        self.status = Status.WAITING
+        self.row = -1
+        self.num_computed = 0  # prompt tokens whose K/V are in the cache (chunked prefill)
+        self.output_ids: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.arrival = time.perf_counter()
+        # Decode steps (target forwards after prefill), time per phase, and how often a node
+        # at each tree depth was accepted.
+        self.metrics = {"prefill_s": 0.0, "steps": 0, "ssm_s": 0.0, "target_s": 0.0, "verify_s": 0.0,
+                        "commit_s": 0.0, "tree_nodes": 0, "accepted_per_depth": [], "per_ssm": []}  # fmt: skip
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def prefilled(self) -> bool:
+        return self.num_computed >= len(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def completion(self) -> Completion:
+        m = dict(self.metrics)
+        m["per_ssm"] = [dict(s) for s in m["per_ssm"]]
+        m["generated_tokens"] = len(self.output_ids)
+        m["decode_s"] = m["ssm_s"] + m["target_s"] + m["verify_s"] + m["commit_s"]
+        # The prefill yields the first token; each decode step yields the rest.
+        m["tokens_per_step"] = (len(self.output_ids) - 1) / m["steps"] if m["steps"] else 0.0
+        return Completion(
+            self.text, self.output_ids, self.finish_reason or "length", len(self.prompt_ids), m
+        )

@@ -1,0 +1,78 @@
+"""One speculative step over every decoding sequence: draft a tree each, cut what does not pay,
+verify all trees in one target forward, commit the accepted paths in every cache.
+
+No state is carried from one step to the next here: the SSMs keep theirs per cache row, the
+budget its learned rates and costs.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from specinfer import ops, verify
+from specinfer.engine.model_runner import ModelRunner, _pad
+from specinfer.engine.sequence import Sequence
+from specinfer.sampling import probabilities
+from specinfer.tree import TokenTree
+
+
+def speculative_step(seqs: list[Sequence], kv, runner: ModelRunner, drafter, budget,
+                     verifier: str) -> tuple[list[list[int]], list[TokenTree]]:  # fmt: skip
+    """Each sequence's new tokens (its accepted path's tokens, then the target's next one) and
+    the tree that was verified."""
+    dev = runner.device
+    tokens = [s.tokens for s in seqs]
+    # No point speculating past what the request may still generate.
+    max_depths = [s.max_len - len(seq) - 1 for s, seq in zip(seqs, tokens)]
+    t0 = time.perf_counter()
+    trees = drafter.draft(seqs, tokens, max_depths)
+    if budget:
+        trees = drafter.keep(budget.choose(trees, [s.params for s in seqs]))
+    t1 = time.perf_counter()
+    logits = runner.tree(kv, seqs, trees)
+    t2 = time.perf_counter()
+    verified = [verify_tree(s, tree, logits[b, : len(tree)], verifier)
+                for b, (s, tree) in enumerate(zip(seqs, trees))]  # fmt: skip
+    paths = [path for path, _ in verified]
+    t3 = time.perf_counter()
+    prefix = [len(seq) - 1 for seq in tokens]
+    rows = torch.tensor([s.row for s in seqs], device=dev)
+    ops.kv_commit(kv.k + kv.v, rows, torch.tensor(prefix, device=dev), _pad(paths, -1, dev))
+    drafter.commit(seqs, prefix, paths, max_depths)
+    t4 = time.perf_counter()
+    if budget:
+        budget.observe(trees, paths)
+        budget.time_step(len(seqs), max(len(t) for t in trees), t2 - t1, (t1 - t0) + (t4 - t2))
+    drafter.record([s.metrics for s in seqs], paths)
+    for s, path, tree in zip(seqs, paths, trees):
+        m = s.metrics
+        m["ssm_s"] += t1 - t0
+        m["target_s"] += t2 - t1
+        m["verify_s"] += t3 - t2
+        m["commit_s"] += t4 - t3
+        m["tree_nodes"] += len(tree)
+        accepted = m["accepted_per_depth"]
+        accepted += [0] * (len(path) - 1 - len(accepted))
+        for depth in range(len(path) - 1):
+            accepted[depth] += 1
+    new = [tree.path_tokens(path[1:]) + [nxt] for tree, (path, nxt) in zip(trees, verified)]
+    return new, trees
+
+
+def verify_tree(seq: Sequence, tree: TokenTree, logits: torch.Tensor,
+                verifier: str) -> tuple[list[int], int]:  # fmt: skip
+    """The accepted path (node ids from the root) and the target's token after it."""
+    # Node u's logits are penalised as incremental decoding would after u's path.
+    logits = seq.penalties.apply(logits, seq.output_ids, tree.branches())
+    if seq.params.greedy:
+        return verify.verify_greedy(tree.parents, tree.tokens, logits.argmax(-1))
+    p = probabilities(logits, seq.params.temperature, seq.params.top_k, seq.params.top_p)
+    gen = seq.generator
+    seed = int(torch.randint(0, 2**62, (1,), generator=gen, device=gen.device))
+    if verifier == "naive":
+        return verify.verify_naive(tree.parents, tree.tokens, p, seed)
+    q = torch.stack(tree.q_rows) if tree.q_rows else None
+    proposals = (tree.prop_parent, tree.prop_child, tree.prop_q)
+    return verify.verify_stochastic(tree.parents, tree.tokens, p, proposals, q, seed)

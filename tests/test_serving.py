@@ -1,0 +1,176 @@
+"""Online serving at the engine level: requests that join and leave at every step, chunked
+prefill, aborts, and the asyncio front. Every output must equal the same request run alone."""
+
+import asyncio
+import random
+
+import pytest
+
+from specinfer import Engine, SamplingParams
+from specinfer.engine import AsyncEngine
+from test_speculative import VOCAB, tiny_pair  # noqa: F401
+
+SPEC = {"ssm": ["other", "ngram:max_n=2,depth=4"], "tree": ["2,1,1", None]}
+
+
+def _spec_engine(tiny_pair, **kwargs):  # noqa: F811
+    target, other = tiny_pair
+    ssm = [other if s == "other" else s for s in SPEC["ssm"]]
+    return Engine(target, dtype="float32", ssm=ssm, tree=SPEC["tree"], **kwargs)
+
+
+def _requests(n: int, seed: int) -> list[tuple[list[int], SamplingParams]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.choice([1, 2, 5, 9, 17, 33]))]
+        out.append((prompt, SamplingParams(max_tokens=rng.randrange(1, 30), ignore_eos=True)))
+    return out
+
+
+def _run_online(engine: Engine, requests, seed: int) -> dict[str, list[int]]:
+    """Add the requests one by one at random steps while the others decode; the tokens of each."""
+    rng = random.Random(seed)
+    pending, ids, tokens = list(requests), [], {}
+    while pending or engine.has_unfinished():
+        while pending and (not engine.has_unfinished() or rng.random() < 0.3):
+            prompt, params = pending.pop(0)
+            ids.append(engine.add_request(prompt, params))
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+    return [tokens[i] for i in ids]
+
+
+@pytest.mark.parametrize("max_tokens_per_step", [512, 7])
+def test_online_greedy_requests_equal_each_request_alone(tiny_pair, max_tokens_per_step):  # noqa: F811
+    """32 greedy requests of mixed lengths arrive at random steps, 6 rows, speculation with cut
+    trees; with a 7-token step budget long prompts prefill in chunks beside decoding ones."""
+    requests = _requests(32, seed=1)
+    alone = Engine(tiny_pair[0], dtype="float32", max_batch_size=1)
+    expected = [alone.generate(p, sp)[0].token_ids for p, sp in requests]
+    engine = _spec_engine(tiny_pair, max_batch_size=6, max_tokens_per_step=max_tokens_per_step)
+    got = _run_online(engine, requests, seed=2)
+    assert got == expected
+    assert engine.kv.num_free == engine.kv.rows and not engine.has_unfinished()
+    assert engine.stats()["spec_accepted_tokens_total"] > 0
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_any_batch(tiny_pair):  # noqa: F811
+    """Seeded sampling requests mixed with greedy and unseeded ones, arriving at random steps:
+    each seeded one gives the tokens it gives alone."""
+    rng = random.Random(3)
+    seeded = [([rng.randrange(VOCAB) for _ in range(rng.randrange(1, 12))],
+                SamplingParams(max_tokens=20, temperature=0.9, top_k=4, seed=s, ignore_eos=True))
+              for s in range(8)]  # fmt: skip
+    others = [(p, SamplingParams(max_tokens=15, temperature=t, ignore_eos=True))
+              for (p, _), t in zip(_requests(8, seed=4), [0.0, 1.0] * 4)]  # fmt: skip
+    engine = _spec_engine(tiny_pair, max_batch_size=5)
+    alone = [engine.generate(p, sp)[0].token_ids for p, sp in seeded]
+    mixed = seeded + others
+    order = list(range(len(mixed)))
+    rng.shuffle(order)
+    got = _run_online(engine, [mixed[i] for i in order], seed=5)
+    by_request = {i: tokens for i, tokens in zip(order, got)}
+    assert [by_request[i] for i in range(len(seeded))] == alone
+    assert len({tuple(a) for a in alone}) > 1
+
+
+def test_chunked_prefill_equals_whole_prefill(tiny_pair):  # noqa: F811
+    prompts = [p for p, _ in _requests(6, seed=6)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    whole = Engine(tiny_pair[0], dtype="float32").generate(prompts, params)
+    chunked = Engine(tiny_pair[0], dtype="float32", max_tokens_per_step=3).generate(prompts, params)
+    assert [c.token_ids for c in chunked] == [w.token_ids for w in whole]
+
+
+def test_abort_frees_the_row_and_spares_the_others(tiny_pair):  # noqa: F811
+    engine = _spec_engine(tiny_pair, max_batch_size=2)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    expected = engine.generate([1, 2, 3], params)[0].token_ids
+    keep = engine.add_request([1, 2, 3], params)
+    doomed = engine.add_request([4, 4, 4, 4], params)
+    waiting = engine.add_request([5], params)  # no row yet: 2 rows
+    tokens = {keep: [], waiting: []}
+    for _ in range(3):
+        for out in engine.step():
+            if out.request_id in tokens:
+                tokens[out.request_id] += out.token_ids
+    assert engine.stats()["running"] == 2 and engine.stats()["waiting"] == 1
+    assert engine.abort(doomed) and not engine.abort(doomed)
+    assert engine.kv.num_free == 1
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id in tokens:
+                tokens[out.request_id] += out.token_ids
+    assert tokens[keep] == expected
+    assert tokens[waiting] == engine.generate([5], params)[0].token_ids
+    assert engine.kv.num_free == 2
+
+
+def test_bad_requests_are_refused_without_harm(tiny_pair):  # noqa: F811
+    engine = _spec_engine(tiny_pair, max_batch_size=2, max_model_len=40)
+    ok = engine.add_request([1, 2], SamplingParams(max_tokens=5, ignore_eos=True))
+    with pytest.raises(ValueError, match="has 50 tokens; .*max_model_len=40"):
+        engine.add_request([1] * 50)
+    with pytest.raises(ValueError, match="already running"):
+        engine.add_request([1], request_id=ok)
+    with pytest.raises(ValueError, match="max_tokens_per_step must be at least 1"):
+        Engine(tiny_pair[0], max_tokens_per_step=0)
+    with pytest.raises(ValueError, match="kv_budget must be"):
+        Engine(tiny_pair[0], kv_budget=10)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats()["generation_tokens_total"] == 5
+
+
+def test_kv_budget_limits_the_rows(tiny_pair):  # noqa: F811
+    engine = Engine(tiny_pair[0], dtype="float32", max_batch_size=8, max_model_len=64,
+                    kv_budget=3 * 64)  # fmt: skip
+    assert engine.max_batch_size == 3
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    for p in ([1], [2], [3], [4], [5]):
+        engine.add_request(p, params)
+    engine.step()
+    assert engine.stats()["running"] == 3 and engine.stats()["waiting"] == 2
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_async_engine_serves_concurrent_requests(tiny_pair):  # noqa: F811
+    engine = _spec_engine(tiny_pair, max_batch_size=4)
+    requests = _requests(10, seed=7)
+    expected = [engine.generate(p, sp)[0].token_ids for p, sp in requests]
+
+    async def one(aeng, prompt, params, delay):
+        await asyncio.sleep(delay)
+        tokens, last = [], None
+        async for out in aeng.generate(prompt, params):
+            tokens += out.token_ids
+            last = out
+        assert last.finished and last.completion_tokens == len(tokens)
+        return tokens
+
+    async def early_exit(aeng):
+        async for _ in aeng.generate([1, 2], SamplingParams(max_tokens=25, ignore_eos=True)):
+            break  # a client that went away: the request is aborted
+
+    async def main():
+        aeng = AsyncEngine(engine)
+        try:
+            with pytest.raises(ValueError, match="is empty"):
+                async for _ in aeng.generate([]):
+                    pass
+            results = await asyncio.wait_for(
+                asyncio.gather(early_exit(aeng), *(one(aeng, p, sp, 0.01 * i)
+                                                   for i, (p, sp) in enumerate(requests))),
+                timeout=120)  # fmt: skip
+            for _ in range(200):  # the abort reaches the engine thread
+                if engine.stats()["running"] == 0:
+                    break
+                await asyncio.sleep(0.05)
+            return results[1:]
+        finally:
+            await aeng.shutdown(5)
+
+    assert asyncio.run(main()) == expected
+    assert engine.kv.num_free == engine.kv.rows
