@@ -1,0 +1,99 @@
+"""build_app(): the FastAPI app over an AsyncEngine, and the state its routes share.
+
+The app can exist before its engine (`specinfer serve` listens while the model loads): /health
+answers 503 until `state.attach(async_engine)`, and again once `state.draining` is set
+(shutdown), when every new generation request gets a 503 too.
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.responses import Response
+
+from specinfer.server import chat, completions
+from specinfer.server.errors import APIError, error_response, install_handlers
+from specinfer.server.metrics import ServerMetrics
+
+
+class ServerState:
+    def __init__(self, async_engine, model_name: str):
+        self.model_name = model_name
+        self.async_engine = None
+        self.engine = None  # the AsyncEngine's Engine: tokenizer, max_model_len, stats()
+        self.draining = False
+        self.jobs: dict = {}  # job id -> (Job, its output queue), while it runs (generation.py)
+        self.created = int(time.time())
+        self.metrics = ServerMetrics(lambda: self.engine.stats() if self.engine else None)
+        if async_engine is not None:
+            self.attach(async_engine)
+
+    def attach(self, async_engine) -> None:
+        self.engine = async_engine.engine
+        self.async_engine = async_engine
+
+    @property
+    def status(self) -> str:
+        if self.draining:
+            return "shutting down"
+        if self.async_engine is None:
+            return "loading"
+        return "ok" if self.async_engine.ready else "engine stopped"
+
+    def admit(self, model: str) -> None:
+        """Raise APIError unless a generation request for `model` may start now."""
+        status = self.status
+        if status == "shutting down":
+            raise APIError(503, "the server is shutting down")
+        if status == "loading":
+            raise APIError(503, "the model is still loading")
+        if status != "ok":
+            raise APIError(503, "the engine has stopped (see the server's log)")
+        if model != self.model_name:
+            raise APIError(
+                404, f"The model '{model}' does not exist (this server serves "
+                f"'{self.model_name}')", "model", "model_not_found",
+            )  # fmt: skip
+
+
+def build_app(async_engine, served_model_name: str) -> FastAPI:
+    """The OpenAI-compatible app. async_engine may be None (not ready yet; see ServerState)."""
+    app = FastAPI(title="specinfer", docs_url=None, redoc_url=None)
+    state = ServerState(async_engine, served_model_name)
+    app.state.server = state
+    install_handlers(app)
+    app.include_router(completions.router)
+    app.include_router(chat.router)
+
+    @app.get("/health")
+    async def health():
+        status = state.status
+        return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
+
+    def model_card() -> dict:
+        card = {"id": state.model_name, "object": "model", "created": state.created,
+                "owned_by": "specinfer"}  # fmt: skip
+        if state.engine is not None:
+            card["max_model_len"] = state.engine.max_model_len
+        return card
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        if model != state.model_name:
+            return error_response(
+                404, f"The model '{model}' does not exist", "model", "model_not_found"
+            )
+        return model_card()
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,174 @@
+"""Request bodies of /v1/completions and /v1/chat/completions, and their SamplingParams.
+
+Types are checked strictly (a string is not a number, 1.5 is not an integer); values are checked
+by SamplingParams, whose ValueError names the field. Unknown fields are ignored, except OpenAI
+features this server does not implement (logprobs, tools, ...), which are refused when set.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, field_validator
+
+from specinfer.sampling import SamplingParams
+from specinfer.server.errors import APIError
+
+MAX_N = 8  # choices per request (each one an engine request)
+MAX_PROMPTS = 8  # prompts in one /v1/completions request
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+# Set to anything but these, an unimplemented feature is an error rather than silently ignored.
+_UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "logit_bias", "tools", "functions",
+                "response_format", "best_of")  # fmt: skip
+_PARAM_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop",
+                 "repetition_penalty", "presence_penalty", "frequency_penalty")  # fmt: skip
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool = False
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    n: StrictInt = 1
+    temperature: StrictFloat | None = None  # OpenAI's default: 1
+    top_p: StrictFloat | None = None
+    top_k: StrictInt | None = None  # extension (vLLM's): 0 or -1 = off
+    seed: StrictInt | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None  # extension (HF's definition)
+    ignore_eos: StrictBool = False  # extension
+    user: str | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, v):
+        if v is None or isinstance(v, str):
+            return v
+        if isinstance(v, list) and all(isinstance(s, str) for s in v):
+            return v
+        raise ValueError("stop must be a string or a list of strings")
+
+    def check(self) -> None:
+        """Errors pydantic cannot see: unimplemented features, n, stream_options."""
+        extra = self.model_extra or {}
+        for name in _UNSUPPORTED:
+            value = extra.get(name)
+            if value in (None, False, [], {}):
+                continue
+            if name == "response_format" and value == {"type": "text"}:
+                continue
+            if name == "best_of" and value in (1, self.n):
+                continue
+            raise APIError(400, f"{name} is not supported by this server", name)
+        if not 1 <= self.n <= MAX_N:
+            raise APIError(400, f"n must be between 1 and {MAX_N}, got {self.n}", "n")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(
+                400, "stream_options is only allowed when stream is true", "stream_options"
+            )
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """max_completion_tokens if given, else max_tokens (None: the endpoint's default), and the
+        name of the field it came from (for error messages)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+    def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
+        """SamplingParams for choice `choice` (0..n-1): with a seed, choice i draws with seed + i."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        top_k = self.top_k if self.top_k is not None else 0
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_k=0 if top_k == -1 else top_k,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                seed=None if self.seed is None else self.seed + choice,
+                stop=stop,
+                ignore_eos=self.ignore_eos,
+                repetition_penalty=(
+                    1.0 if self.repetition_penalty is None else self.repetition_penalty
+                ),
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+            )
+        except ValueError as e:
+            message = str(e)
+            param = next((f for f in _PARAM_FIELDS if message.startswith(f)), None)
+            if param == "max_tokens":
+                param = self.requested_max_tokens()[1]
+                message = param + message[len("max_tokens") :]
+            if message.startswith("stop strings"):
+                param = "stop"
+            raise APIError(400, message, param) from e
+
+
+class CompletionRequest(_Request):
+    prompt: Any
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, v):
+        """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+        if isinstance(v, str) or (isinstance(v, list) and v and _token_ids(v)):
+            return v
+        if isinstance(v, list) and v and all(isinstance(p, str) or _token_ids(p) for p in v):
+            return v
+        raise ValueError(
+            "prompt must be a string, a list of strings, a list of token ids or a list of "
+            "token-id lists"
+        )
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str) or all(isinstance(t, int) for t in p):
+            return [p]
+        if len(p) > MAX_PROMPTS:
+            raise APIError(
+                400, f"at most {MAX_PROMPTS} prompts per request, got {len(p)}", "prompt"
+            )
+        return list(p)
+
+
+def _token_ids(x) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[dict]
+
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, messages):
+        """Each message {role, content}; content a string or a list of text parts (joined)."""
+        if not messages:
+            raise ValueError("messages must not be empty")
+        out = []
+        for i, m in enumerate(messages):
+            role, content = m.get("role"), m.get("content")
+            if not isinstance(role, str):
+                raise ValueError(f"messages[{i}] needs a string 'role'")
+            if isinstance(content, list):
+                parts = []
+                for part in content:
+                    if not (isinstance(part, dict) and part.get("type") == "text"
+                            and isinstance(part.get("text"), str)):  # fmt: skip
+                        raise ValueError(f"messages[{i}]: only text content parts are supported")
+                    parts.append(part["text"])
+                content = "".join(parts)
+            if not isinstance(content, str):
+                raise ValueError(f"messages[{i}] needs 'content': a string or a list of text parts")
+            out.append({"role": role, "content": content})
+        return out
