@@ -1,5 +1,5 @@
-"""Command line: `specinfer generate "prompt"` streams a completion; `specinfer train-ssm`
-distils an SSM."""
+"""Command line: `specinfer generate "prompt"` streams a completion; `specinfer serve` serves an
+OpenAI-compatible HTTP API; `specinfer train-ssm` distils an SSM."""
 
 from __future__ import annotations
 
@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="wrap the prompt in the model's chat template (default: if it has one)",
     )
+    _add_serve_parser(sub)
     train = sub.add_parser(
         "train-ssm", help="distil a small speculative model (SSM) from the target's layers"
     )
@@ -90,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "train-ssm":
         return training_command.run(args)
+    if args.command == "serve":
+        return _serve(args)
 
     from specinfer import Engine, SamplingParams  # after parsing: --help stays instant
     from specinfer.default_model import ships_an_ssm
@@ -137,6 +140,77 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specinfer: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _add_serve_parser(sub) -> None:
+    serve = sub.add_parser(
+        "serve",
+        help="serve the model over an OpenAI-compatible HTTP API (needs the serve extra)",
+        description="OpenAI-compatible server: /v1/completions, /v1/chat/completions, "
+        "/v1/models, /health, /metrics. SIGTERM/SIGINT shut it down gracefully.",
+    )
+    serve.add_argument(
+        "--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)"
+    )
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the name clients pass as 'model' (default: the model file or directory name, "
+        "SmolLM2-135M-Instruct for the default model)",
+    )
+    serve.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16")
+    serve.add_argument("--device", default="cpu")
+    serve.add_argument("--threads", type=int, default=None)
+    serve.add_argument(
+        "--ssm",
+        action="append",
+        default=None,
+        help="speculative model(s), as for generate (default: default and ngram for the "
+        "default model, ngram for others; turn off with --mode incremental)",
+    )
+    serve.add_argument("--ssm-head", type=int, default=None, help="as for generate")
+    serve.add_argument("--tree", default=None, help="expansion config, as for generate")
+    serve.add_argument("--mode", choices=["incremental", "sequence", "tree"], default=None)
+    serve.add_argument(
+        "--whole-trees", action="store_true", help="verify every drafted node (as for generate)"
+    )
+    serve.add_argument("--max-batch-size", type=int, default=16, help="requests run at once")
+    serve.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="tokens a request may hold, prompt + output (default: the model's context)",
+    )
+    serve.add_argument(
+        "--kv-budget",
+        type=int,
+        default=None,
+        help="KV cache size in tokens (default: max batch size x max model length)",
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests may run after SIGTERM/SIGINT before they are aborted",
+    )
+    serve.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+
+
+def _serve(args) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:  # the serve extra is missing
+        print(f"specinfer: error: {e} (pip install 'specinfer[serve]')", file=sys.stderr)
+        return 2
+    from specinfer.server import serve
+
+    return serve.run(args)
 
 
 def _format_stats(m: dict) -> str:
