@@ -1,0 +1,433 @@
+"""The OpenAI-compatible server (specinfer.server) over a real engine on the default model.
+
+One uvicorn server runs in a background thread for the module, over Engine(bfloat16, default SSM
++ n-gram) and AsyncEngine; requests go through the `openai` client (and httpx for raw bodies and
+disconnects). Greedy outputs are checked against Engine.generate, run with the same
+SamplingParams before the server starts. `specinfer serve` is tested as a subprocess: ready line,
+one request, SIGTERM with a request in flight, exit status 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+for _module in ("fastapi", "uvicorn", "prometheus_client", "httpx", "openai"):
+    pytest.importorskip(_module)
+
+import httpx  # noqa: E402
+import openai  # noqa: E402
+import uvicorn  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from specinfer import SamplingParams  # noqa: E402
+from specinfer.engine import AsyncEngine, Engine  # noqa: E402
+from specinfer.server import build_app  # noqa: E402
+from specinfer.server.protocol import MAX_N  # noqa: E402
+
+MODEL = "SmolLM2-135M-Instruct"
+MAX_MODEL_LEN = 1024
+CHAT = [{"role": "user", "content": "Name three colors."}]
+PROMPT = "The capital of France is"
+# Greedy references, computed with Engine.generate before the server starts.
+REFERENCES = {
+    "chat": (CHAT, SamplingParams(max_tokens=12)),
+    "completion": (PROMPT, SamplingParams(max_tokens=12)),
+    "stop": (PROMPT, SamplingParams(max_tokens=12, stop=["\n", "."])),
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _ThreadedServer:
+    """uvicorn.Server on 127.0.0.1, an OS-chosen port, in a daemon thread."""
+
+    def __init__(self, app, deadline_s: float = 30.0):
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + deadline_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+
+
+@pytest.fixture(scope="module")
+def served(smollm_gguf):
+    engine = Engine(smollm_gguf, dtype="bfloat16", ssm=["default", "ngram"], max_batch_size=4,
+                    max_model_len=MAX_MODEL_LEN)  # fmt: skip
+    refs = {key: engine.generate(prompt, params)[0] for key, (prompt, params) in REFERENCES.items()}
+    async_engine = AsyncEngine(engine)
+    app = build_app(async_engine, MODEL)
+    server = _ThreadedServer(app)
+    base = f"http://127.0.0.1:{server.port}"
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", timeout=60, max_retries=0)
+    http = httpx.Client(base_url=base, timeout=60)
+    try:
+        yield SimpleNamespace(engine=engine, app=app, base=base, client=client, http=http,
+                              refs=refs)  # fmt: skip
+    finally:
+        http.close()
+        server.stop()
+        asyncio.run(async_engine.shutdown(5))
+
+
+def _sse(lines) -> list:
+    """The payloads of `data: ...` lines ("[DONE]" kept as a string)."""
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def _wait_idle(engine, deadline_s: float = 30.0) -> dict:
+    deadline = time.monotonic() + deadline_s
+    while True:
+        stats = engine.stats()
+        if stats["running"] == 0 and stats["waiting"] == 0:
+            return stats
+        if time.monotonic() > deadline:
+            pytest.fail(f"the engine still holds requests after {deadline_s} s: {stats}")
+        time.sleep(0.05)
+
+
+def _metrics(served) -> dict:
+    """{(sample name, labels as a sorted tuple): value} from /metrics."""
+    text = served.http.get("/metrics").text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+# -- generation --------------------------------------------------------------------------------
+
+
+def test_chat_greedy_equals_engine(served):
+    ref = served.refs["chat"]
+    r = served.client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=12, temperature=0
+    )
+    assert r.id.startswith("chatcmpl-") and r.object == "chat.completion" and r.model == MODEL
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == ref.text
+    assert r.choices[0].finish_reason == ref.finish_reason
+    prompt_tokens = len(served.engine.prompt_ids(CHAT))
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (prompt_tokens, len(ref.token_ids))
+    assert r.usage.total_tokens == prompt_tokens + len(ref.token_ids)
+
+
+def test_chat_stream_with_usage(served):
+    ref = served.refs["chat"]
+    chunks = list(
+        served.client.chat.completions.create(
+            model=MODEL,
+            messages=CHAT,
+            max_completion_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+    )
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref.text
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert reasons[-1] == ref.finish_reason and not any(reasons[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completion_greedy_equals_engine(served):
+    ref = served.refs["completion"]
+    r = served.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert r.id.startswith("cmpl-") and r.object == "text_completion"
+    assert r.choices[0].text == ref.text and r.choices[0].finish_reason == ref.finish_reason
+    assert r.usage.prompt_tokens == len(served.engine.prompt_ids(PROMPT))
+    assert r.usage.completion_tokens == len(ref.token_ids)
+    # Streamed: the same text; the raw lines end in [DONE].
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stream": True}
+    with served.http.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events = _sse(resp.iter_lines())
+    assert events[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == ref.text
+    assert events[-2]["choices"][0]["finish_reason"] == ref.finish_reason
+
+
+def test_stop_strings(served):
+    ref = served.refs["stop"]
+    assert ref.finish_reason == "stop"  # the reference must actually stop
+    r = served.client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stop=["\n", "."]
+    )
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (ref.text, "stop")
+    r = served.client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stop="."
+    )
+    assert r.choices[0].text == ref.text and "." not in r.choices[0].text
+
+
+def test_n_choices_and_seeds(served):
+    ref = served.refs["completion"]
+    r = served.client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, n=2
+    )
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.text for c in r.choices] == [ref.text, ref.text]
+    assert r.usage.completion_tokens == 2 * len(ref.token_ids)
+    assert r.usage.prompt_tokens == len(served.engine.prompt_ids(PROMPT))
+    # Sampling with a seed: choice i draws with seed + i.
+    kw = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0}
+    pair = served.client.completions.create(n=2, seed=5, **kw)
+    second = served.client.completions.create(n=1, seed=6, **kw)
+    assert pair.choices[1].text == second.choices[0].text
+    # Chat, streamed, n=2: each index gets its own deltas and finish.
+    chunks = list(served.client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=12, temperature=0, n=2, stream=True
+    ))  # fmt: skip
+    for i in range(2):
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == i]
+        assert "".join(c.delta.content or "" for c in mine) == served.refs["chat"].text
+        assert mine[-1].finish_reason == served.refs["chat"].finish_reason
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+_OK = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4}
+_OK_CHAT = {"model": MODEL, "messages": CHAT, "max_tokens": 4}
+
+BAD = [  # (endpoint, body (dict, or raw text), status, text the message holds, param)
+    ("completions", "{not json", 400, "invalid JSON", None),
+    ("completions", "[1, 2]", 400, "valid dictionary", None),
+    ("completions", {"model": MODEL}, 400, "prompt: Field required", "prompt"),
+    ("chat/completions", {"model": MODEL}, 400, "messages: Field required", "messages"),
+    ("chat/completions", {**_OK_CHAT, "messages": []}, 400, "must not be empty", "messages"),
+    ("chat/completions", {**_OK_CHAT, "messages": [{"role": "user"}]}, 400, "content", "messages"),
+    ("completions", {**_OK, "max_tokens": "ten"}, 400, "valid integer", "max_tokens"),
+    ("completions", {**_OK, "max_tokens": 1.5}, 400, "valid integer", "max_tokens"),
+    ("completions", {**_OK, "temperature": "hot"}, 400, "valid number", "temperature"),
+    ("completions", {**_OK, "prompt": 5}, 400, "prompt must be", "prompt"),
+    ("completions", {**_OK, "max_tokens": 0}, 400, "max_tokens must be at least 1, got 0", "max_tokens"),
+    ("completions", {**_OK, "max_tokens": -3}, 400, "max_tokens must be at least 1, got -3", "max_tokens"),
+    ("chat/completions", {**_OK_CHAT, "max_completion_tokens": 0}, 400,
+     "max_completion_tokens must be at least 1", "max_completion_tokens"),
+    ("completions", {**_OK, "max_tokens": MAX_MODEL_LEN}, 400,
+     f"maximum context length is {MAX_MODEL_LEN} tokens. However, you requested "
+     f"{MAX_MODEL_LEN + 5} tokens (5 in the prompt, {MAX_MODEL_LEN} for the completion)",
+     "max_tokens"),
+    ("completions", {**_OK, "prompt": [1] * (MAX_MODEL_LEN + 6)}, 400,
+     f"has {MAX_MODEL_LEN + 6} tokens; this engine serves up to max_model_len={MAX_MODEL_LEN}",
+     "prompt"),
+    ("completions", {**_OK, "prompt": ""}, 400, "empty", "prompt"),
+    ("completions", {**_OK, "prompt": [1, 10**9]}, 400, "out of range", "prompt"),
+    ("completions", {**_OK, "n": MAX_N + 1}, 400, f"n must be between 1 and {MAX_N}", "n"),
+    ("completions", {**_OK, "n": 0}, 400, "n must be between", "n"),
+    ("completions", {**_OK, "temperature": -1}, 400, "temperature must be", "temperature"),
+    ("completions", {**_OK, "top_p": 1.5}, 400, "top_p must be in (0, 1]", "top_p"),
+    ("completions", {**_OK, "top_k": -2}, 400, "top_k must be", "top_k"),
+    ("completions", {**_OK, "presence_penalty": 3}, 400, "presence_penalty must be in [-2, 2]",
+     "presence_penalty"),
+    ("completions", {**_OK, "repetition_penalty": 0}, 400, "repetition_penalty must be",
+     "repetition_penalty"),
+    ("completions", {**_OK, "stop": [""]}, 400, "stop strings must be non-empty", "stop"),
+    ("completions", {**_OK, "stop": [1]}, 400, "stop must be a string or a list", "stop"),
+    ("completions", {**_OK, "logprobs": 2}, 400, "logprobs is not supported", "logprobs"),
+    ("completions", {**_OK, "stream_options": {"include_usage": True}}, 400,
+     "only allowed when stream is true", "stream_options"),
+    ("completions", {**_OK, "model": "gpt-4"}, 404, "The model 'gpt-4' does not exist", "model"),
+    ("no/such/route", {}, 404, "Not Found", None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("endpoint, body, status, message, param", BAD)
+def test_bad_input(served, endpoint, body, status, message, param):
+    kw = {"content": body} if isinstance(body, str) else {"json": body}
+    r = served.http.post(f"/v1/{endpoint}", headers={"content-type": "application/json"}, **kw)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert message in error["message"] and error["param"] == param
+    assert error["type"] == "invalid_request_error"
+    assert "Traceback" not in r.text
+    if "context length" in message:
+        assert error["code"] == "context_length_exceeded"
+    assert served.http.get("/health").status_code == 200
+
+
+def test_openai_client_raises_on_bad_input(served):
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be at least 1"):
+        served.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0)
+    with pytest.raises(openai.NotFoundError):
+        served.client.chat.completions.create(model="nope", messages=CHAT)
+
+
+# -- disconnects, health, metrics --------------------------------------------------------------
+
+
+def test_client_disconnect_mid_stream_aborts(served):
+    before = _metrics(served)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 900, "ignore_eos": True,
+            "temperature": 0, "stream": True}  # fmt: skip
+    with served.http.stream("POST", "/v1/completions", json=body) as resp:
+        for i, _ in enumerate(resp.iter_lines()):
+            if i >= 6:  # a few chunks (and their blank separators), then hang up
+                break
+    stats = _wait_idle(served.engine)
+    key = ("specinfer:requests_finished_total", (("finished_reason", "abort"),))
+    after = _metrics(served)
+    assert after.get(key, 0) == before.get(key, 0) + 1
+    gen = "specinfer:generation_tokens_total", ()
+    assert stats["generation_tokens_total"] - before[gen] < 900  # it stopped early
+
+
+def test_client_disconnect_without_stream_aborts(served):
+    before = _metrics(served)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 900, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        served.http.post("/v1/completions", json=body, timeout=1.5)
+    _wait_idle(served.engine)
+    key = ("specinfer:requests_finished_total", (("finished_reason", "abort"),))
+    assert _metrics(served).get(key, 0) == before.get(key, 0) + 1
+
+
+def test_health_models_and_draining(served):
+    assert served.http.get("/health").json() == {"status": "ok"}
+    models = served.client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert served.http.get(f"/v1/models/{MODEL}").json()["max_model_len"] == MAX_MODEL_LEN
+    state = served.app.state.server
+    state.draining = True
+    try:
+        assert served.http.get("/health").status_code == 503
+        r = served.http.post("/v1/completions", json=_OK)
+        assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+    finally:
+        state.draining = False
+    assert served.http.get("/health").status_code == 200
+
+
+def test_health_503_while_loading():
+    app = build_app(None, MODEL)  # no engine yet: what `specinfer serve` runs while loading
+    server = _ThreadedServer(app)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{server.port}", timeout=10) as http:
+            assert http.get("/health").status_code == 503
+            r = http.post("/v1/completions", json=_OK)
+            assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
+            assert http.get("/metrics").status_code == 200
+    finally:
+        server.stop()
+
+
+def test_metrics(served):
+    served.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    stats = _wait_idle(served.engine)
+    m = _metrics(served)
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                 "num_preemptions_total", "spec_decode_mean_tokens_per_step",
+                 "spec_decode_draft_acceptance_rate", "spec_decode_num_draft_tokens_total"):  # fmt: skip
+        assert ("specinfer:" + name, ()) in m, name
+    engine_counters = {"prompt_tokens_total": "prompt_tokens_total",
+                       "generation_tokens_total": "generation_tokens_total",
+                       "spec_decode_num_drafts_total": "spec_drafts_total",
+                       "spec_decode_num_accepted_tokens_total": "spec_accepted_tokens_total"}  # fmt: skip
+    for name, stat in engine_counters.items():
+        assert m["specinfer:" + name, ()] == stats[stat] > 0, name
+    per_pos = {dict(labels)["position"]: v for (n, labels), v in m.items()
+               if n == "specinfer:spec_decode_num_accepted_tokens_per_pos_total"}  # fmt: skip
+    assert per_pos == {str(d): float(v) for d, v in enumerate(stats["spec_accepted_per_depth"])}
+    assert m["specinfer:spec_decode_mean_tokens_per_step", ()] == pytest.approx(
+        stats["spec_emitted_tokens_total"] / stats["spec_steps_total"]
+    )
+    assert m["specinfer:spec_decode_mean_tokens_per_step", ()] >= 1.0
+    assert m["specinfer:num_requests_running", ()] == 0.0
+    for hist in ("time_to_first_token_seconds", "inter_token_latency_seconds",
+                 "e2e_request_latency_seconds"):  # fmt: skip
+        assert m[f"specinfer:{hist}_count", ()] > 0, hist
+        assert m[f"specinfer:{hist}_sum", ()] > 0, hist
+    assert m["specinfer:requests_finished_total", (("finished_reason", "length"),)] > 0
+
+
+# -- `specinfer serve` -------------------------------------------------------------------------
+
+
+def test_serve_subprocess_sigterm(smollm_gguf, tmp_path):
+    port = _free_port()
+    cmd = [sys.executable, "-m", "specinfer.cli", "serve", "--model", str(smollm_gguf),
+           "--port", str(port), "--served-model-name", MODEL, "--dtype", "bfloat16",
+           "--max-batch-size", "2", "--max-model-len", "512", "--shutdown-timeout", "3",
+           "--log-level", "warning"]  # fmt: skip
+    out, err = open(tmp_path / "out.txt", "w+"), open(tmp_path / "err.txt", "w+")
+    proc = subprocess.Popen(
+        cmd, stdout=out, stderr=err, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
+    base = f"http://127.0.0.1:{port}"
+
+    def logs() -> str:
+        out.flush(), err.flush()
+        return (tmp_path / "out.txt").read_text() + (tmp_path / "err.txt").read_text()
+
+    try:
+        with httpx.Client(base_url=base, timeout=60) as http:
+            deadline, status = time.monotonic() + 120, None
+            while status != 200:
+                assert proc.poll() is None, f"serve exited early ({proc.returncode}):\n{logs()}"
+                assert time.monotonic() < deadline, f"serve was not ready in 120 s:\n{logs()}"
+                try:
+                    status = http.get("/health").status_code
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.2)
+            assert f"specinfer: serving {MODEL} on http://127.0.0.1:{port}" in logs()
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", timeout=60, max_retries=0)
+            r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
+            assert r.choices[0].text and r.usage.completion_tokens >= 1
+            # SIGTERM with a long stream in flight: /health turns 503, the stream is cut off
+            # after --shutdown-timeout (finish_reason "abort") and still ends in [DONE].
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 500, "ignore_eos": True,
+                    "stream": True}  # fmt: skip
+            with http.stream("POST", "/v1/completions", json=body) as resp:
+                lines = resp.iter_lines()
+                first = next(line for line in lines if line.startswith("data: "))
+                proc.send_signal(signal.SIGTERM)
+                with httpx.Client(base_url=base, timeout=5) as probe:
+                    deadline = time.monotonic() + 3
+                    while probe.get("/health").status_code != 503:
+                        assert time.monotonic() < deadline, "/health did not turn 503"
+                        time.sleep(0.05)
+                events = _sse([first, *lines])
+            assert events[-1] == "[DONE]"
+            assert events[-2]["choices"][0]["finish_reason"] == "abort"
+        assert proc.wait(timeout=30) == 0, logs()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        out.close(), err.close()
