@@ -87,7 +87,7 @@ def load_prompts(n: int, file: str | None, chat: bool) -> list:
 def coverage(engine: Engine, prompts: list[str], tokens: int) -> dict:
     """Table 1: P(target token in SSM top-k) for k = 1, 3, 5, over the target's completions."""
     outs = engine.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
-    seqs = [(engine._prompt_ids(i, p), o.token_ids) for i, (p, o) in enumerate(zip(prompts, outs))]
+    seqs = [(engine.prompt_ids(p), o.token_ids) for p, o in zip(prompts, outs)]
     ssm = engine.drafter.ssms[0].model
     return topk_agreement(ssm, seqs, target_tokens(engine.model, seqs))
 
@@ -281,7 +281,7 @@ def drafters(base: dict, args, prompts: list) -> dict:
 def row_costs(base: dict, prompts: list, reps: int = 10) -> dict:
     engine = Engine(**{**base, "ssm": None})
     model, runner = engine.model, engine.run_model
-    prompt = torch.tensor([engine._prompt_ids(0, prompts[0])])
+    prompt = torch.tensor([engine.prompt_ids(prompts[0])])
     P = prompt.shape[1]
     kv = model.make_kv_cache(1, P + 64)
     one = torch.zeros(1, dtype=torch.long)

@@ -81,7 +81,7 @@ def test_greedy_batch_of_20_prompts_matches_transformers(engine, hf_model):
     assert len(prompts) == 20
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = engine.generate(prompts, params)  # one batch: 20 prompts of different lengths
-    prompt_ids = [engine._prompt_ids(i, p) for i, p in enumerate(prompts)]
+    prompt_ids = [engine.prompt_ids(p) for p in prompts]
     assert len({len(ids) for ids in prompt_ids}) > 10
     ties = []
     for i, (ids, out) in enumerate(zip(prompt_ids, outs)):

@@ -174,3 +174,31 @@ def test_async_engine_serves_concurrent_requests(tiny_pair):  # noqa: F811
 
     assert asyncio.run(main()) == expected
     assert engine.kv.num_free == engine.kv.rows
+
+
+def test_async_shutdown_ends_requests_in_flight(tiny_pair):  # noqa: F811
+    """shutdown(timeout) stops admitting, and a request still running at the deadline ends
+    with finish_reason "abort" (its client is told, its row freed)."""
+    engine = Engine(tiny_pair[0], dtype="float32")
+
+    async def main():
+        aeng = AsyncEngine(engine)
+        outs = []
+
+        async def consume():
+            async for out in aeng.generate([1, 2], SamplingParams(max_tokens=100, ignore_eos=True)):
+                outs.append(out)
+
+        task = asyncio.create_task(consume())
+        while not outs:
+            await asyncio.sleep(0.01)
+        await aeng.shutdown(0)
+        await asyncio.wait_for(task, timeout=30)
+        with pytest.raises(RuntimeError, match="not accepting"):
+            async for _ in aeng.generate([1]):
+                pass
+        return outs
+
+    outs = asyncio.run(main())
+    assert outs[-1].finished and outs[-1].finish_reason == "abort"
+    assert engine.kv.num_free == engine.kv.rows

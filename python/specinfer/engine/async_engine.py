@@ -81,6 +81,12 @@ class AsyncEngine:
     # -- the engine thread ----------------------------------------------------------------------
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        finally:  # the aborts shutdown() queued last reach their requests
+            self._drain(block=False)
+
+    def _serve(self) -> None:
         engine = self.engine
         while not self._stop.is_set():
             self._drain(block=not engine.has_unfinished())

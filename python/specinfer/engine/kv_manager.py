@@ -49,7 +49,8 @@ class KVManager:
 
     def used_tokens(self) -> int:
         """Tokens the running sequences hold in the target's cache."""
-        return sum(s.num_computed + len(s.output_ids) for s in self.owners.values())
+        # list() copies in one go: monitoring reads this from another thread.
+        return sum(s.num_computed + len(s.output_ids) for s in list(self.owners.values()))
 
     def release(self) -> None:
         """Free the caches (only when no sequence holds a row)."""

@@ -310,8 +310,6 @@ class Engine:
             )
         return ids
 
-    _prompt_ids = prompt_ids  # the name benchmarks and older tests use
-
     # -- one step's pieces ----------------------------------------------------------------------
 
     @staticmethod
