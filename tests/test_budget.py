@@ -53,7 +53,7 @@ def test_subtree_keeps_nodes_proposals_and_sources():
 def test_flat_costs_keep_everything_steep_costs_cut():
     tree = _chain([1, 2, 3, 4, 5, 6])
     flat = TreeBudget()
-    flat.overhead, flat.cost = 0.001, {(1, w): 0.02 for w in range(1, 8)}
+    flat.overhead, flat.cost = 0.001, {w: 0.02 for w in range(1, 8)}
     assert flat.choose([tree], GREEDY) == [list(range(7))]
     steep = SteepCosts()
     steep.time_step(1, 1, 0, 0)
@@ -91,7 +91,12 @@ def test_sampled_proposals_and_seeded_sampling_are_never_cut():
     assert budget.choose([tree], GREEDY) != whole  # the price cuts this chain...
     unseeded, seeded = SamplingParams(temperature=0.8), SamplingParams(temperature=0.8, seed=3)
     assert budget.choose([tree], [unseeded]) != whole
-    assert budget.choose([tree, tree], [SamplingParams(), seeded]) == whole * 2  # ...not these
+    # ...not a seeded sampling request's; the forward is as wide as that tree, and the greedy
+    # one beside it is cut no narrower (those rows are paid for) but still cut
+    short = _chain([1, 2])
+    greedy_kept, seeded_kept = budget.choose([tree, short], [SamplingParams(), seeded])
+    assert seeded_kept == [0, 1, 2] and 3 <= len(greedy_kept) < len(tree)
+    assert budget.choose([tree, tree], [SamplingParams(), seeded]) == whole * 2
     assert budget.choose([tree], [SamplingParams(seed=3)]) != whole  # greedy: seed irrelevant
     tree.propose(0, 6, tree.add_distribution(torch.rand(10)))
     assert budget.choose([tree], GREEDY) == [list(range(len(tree)))]
@@ -106,7 +111,8 @@ def test_untimed_widths_are_priced_optimistically():
     assert budget.estimate(1, 4) == 0.040
     assert budget.estimate(1, 8) == 0.040  # no wider forward costs less
     assert budget.estimate(1, 2) == pytest.approx(0.020)  # nor less per row
-    assert budget.estimate(2, 4) == 0.0  # another batch size: its own prices
+    assert budget.estimate(2, 2) == 0.040  # priced by rows: 2 x 2 is 4 rows too
+    assert budget.estimate(4, 2) == 0.040  # 8 rows: no cheaper than 4
     budget.time_step(1, 4, 10.0, 0.0)  # a stall counts at most twice the estimate
     assert budget.estimate(1, 4) == pytest.approx(0.75 * 0.040 + 0.25 * 0.080)
 

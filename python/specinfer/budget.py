@@ -12,8 +12,11 @@ When a batch may be cut is decided here too (`choose`). Lossless: the cut depend
 drafters, never on a sampled token, and it only applies to trees of point-mass proposals (greedy,
 top-k children, prompt lookup): those may be dropped for any reason. A tree with a sampled child
 is verified whole, since dropping some of a node's i.i.d. draws depending on what they drew would
-bias verification. And a batch with a seeded sampling request is verified whole: a seed must
-reproduce its output, so its trees must not depend on timings.
+bias verification. And a seeded sampling request's tree is verified whole: a seed must
+reproduce its output, so its trees must not depend on timings (the others in its batch are still
+cut). Forward costs are learned per row count (batch x width), so they carry over as requests
+join and leave; width 1 (no speculation) is always a candidate, so when trees do not pay (large
+batches on a CPU) a step becomes plain decoding by itself.
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ class TreeBudget:
     def __init__(self):
         self.tested: dict[tuple[int, int], float] = {}  # (drafter, depth) -> parent accepted
         self.accepted: dict[tuple[int, int], float] = {}  # ... and the node too
-        self.cost: dict[tuple[int, int], float] = {}  # (batch, width) -> target forward s
-        self._seen: set[tuple[int, int]] = set()  # widths timed once (that run recorded a graph)
+        self.cost: dict[int, float] = {}  # rows (batch x width) -> target forward seconds
+        self._seen: set[tuple[int, int]] = set()  # shapes timed once (that run recorded a graph)
         self.overhead = 0.0  # seconds a step spends outside the target forward
 
     def rates(self, drafter: int, depth: int) -> list[float]:
@@ -63,15 +66,22 @@ class TreeBudget:
 
     def choose(self, trees: list[TokenTree], params: list[SamplingParams]) -> list[list[int]]:
         """Per tree (params: its request's), the node ids to keep (root included, parents before
-        children)."""
+        children). Trees that must stay whole (sampled children, seeded sampling) do, and the
+        forward is at least as wide as the widest of them; the others share one width."""
         whole = [list(range(len(t))) for t in trees]
-        sampled = any(q >= 0 for t in trees for q in t.prop_q)
-        if sampled or any(p.seed is not None and not p.greedy for p in params):
+        fixed = [_must_stay_whole(t, p) for t, p in zip(trees, params)]
+        if all(fixed):
             return whole
+        floor = max((len(t) for t, f in zip(trees, fixed) if f), default=1)
         widest = max(len(t) for t in trees)
-        orders, gains = [], [float(len(trees))] * widest  # gains[w - 1]: expected tokens at w
-        for tree in trees:
+        orders: list[list[int] | None] = []
+        gains = [float(len(trees))] * widest  # gains[w - 1]: expected tokens at width w
+        for tree, f in zip(trees, fixed):
             value = self.values(tree)
+            if f:  # kept whole at every width
+                orders.append(None)
+                gains = [g + sum(value[1:]) for g in gains]
+                continue
             # Ties keep the smaller id, so a kept node's parent is always kept.
             order = sorted(range(1, len(tree)), key=lambda n: (-value[n], n))
             orders.append(order)
@@ -79,22 +89,26 @@ class TreeBudget:
             for width in range(1, widest + 1):
                 gains[width - 1] += top[min(width - 1, len(order))]
         best, best_score = widest, -1.0
-        for width in range(1, widest + 1):
+        for width in range(floor, widest + 1):
             seconds = self.overhead + self.estimate(len(trees), width)
             if seconds <= 0:
                 return whole  # nothing timed yet: verify everything and learn
             if gains[width - 1] / seconds > best_score:
                 best, best_score = width, gains[width - 1] / seconds
-        return [sorted([0] + order[: best - 1]) for order in orders]
+        return [keep if order is None else sorted([0] + order[: best - 1])
+                for keep, order in zip(whole, orders)]  # fmt: skip
 
     def estimate(self, batch: int, width: int) -> float:
-        """The target forward's time at this width: measured, else a lower bound, which makes
-        an untried width look attractive until it has been tried: a forward costs at least what
-        a narrower one costs, and, per row, at least what a wider one costs per row."""
-        if (batch, width) in self.cost:
-            return self.cost[batch, width]
-        below = [c for (b, w), c in self.cost.items() if b == batch and w < width]
-        above = [c * width / w for (b, w), c in self.cost.items() if b == batch and w > width]
+        """The target forward's time for `batch` trees padded to `width`, priced by its rows
+        (batch x width: the linear layers' work), so timings carry over between batch sizes as
+        requests join and leave: measured at that row count, else a lower bound, which makes
+        an untried count look attractive until it has been tried: a forward costs at least what
+        one of fewer rows costs, and, per row, at least what one of more rows costs per row."""
+        rows = batch * width
+        if rows in self.cost:
+            return self.cost[rows]
+        below = [c for r, c in self.cost.items() if r < rows]
+        above = [c * rows / r for r, c in self.cost.items() if r > rows]
         return max(below + above, default=0.0)
 
     def observe(self, trees: list[TokenTree], paths: list[list[int]]) -> None:
@@ -111,17 +125,24 @@ class TreeBudget:
                     self.accepted[key] = self.accepted.get(key, 0.0) + (child in on_path)
 
     def time_step(self, batch: int, width: int, target_s: float, other_s: float) -> None:
-        """Record a step's timings. A width's first forward records its graph, so it is not
+        """Record a step's timings. A shape's first forward records its graph, so it is not
         counted."""
-        key = (batch, width)
         self.overhead = (
             (1 - SMOOTH) * self.overhead + SMOOTH * other_s if self.overhead else other_s
         )
-        if key not in self._seen:
-            self._seen.add(key)
+        if (batch, width) not in self._seen:
+            self._seen.add((batch, width))
             return
-        old = self.cost.get(key)
+        rows = batch * width
+        old = self.cost.get(rows)
         if old is None:
-            self.cost[key] = target_s
+            self.cost[rows] = target_s
         else:  # a stall (another process, the OS) must not price a width out for good
-            self.cost[key] = (1 - SMOOTH) * old + SMOOTH * min(target_s, 2 * old)
+            self.cost[rows] = (1 - SMOOTH) * old + SMOOTH * min(target_s, 2 * old)
+
+
+def _must_stay_whole(tree: TokenTree, params: SamplingParams) -> bool:
+    """A tree with a sampled child (dropping some of its i.i.d. draws depending on what they
+    drew would bias verification), or a seeded sampling request's (its seed must reproduce its
+    output, so its trees must not depend on timings)."""
+    return any(q >= 0 for q in tree.prop_q) or (params.seed is not None and not params.greedy)
