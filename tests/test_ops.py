@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import glob
 import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -88,11 +92,48 @@ def assert_matches_reference(args, scale=None):
     torch.testing.assert_close(got.float(), expected.float(), **tolerance(args[0].dtype))
 
 
-def test_backends():
-    assert "cpu" in _C.backends()
-    if os.environ.get("SPECINFER_EXPECT_CUDA") == "1":
-        assert "cuda" in _C.backends()
-    assert _C.cuda_device_count() >= 0
+def _binary_has_cuda_code() -> bool:
+    """Whether the extension's shared object holds CUDA device code: nvcc-compiled objects put
+    their kernels in an ELF section named .nv_fatbin (read from the file, not asked of _C)."""
+    return b".nv_fatbin" in Path(_C.__file__).read_bytes()
+
+
+def test_backends_match_the_compiled_extension():
+    with_cuda = _binary_has_cuda_code()
+    assert _C.backends() == (["cpu", "cuda"] if with_cuda else ["cpu"])
+    expect = os.environ.get("SPECINFER_EXPECT_CUDA")
+    if expect == "1":  # .ci/run sets it where nvcc exists: the build must not have lost CUDA
+        assert with_cuda, "SPECINFER_EXPECT_CUDA=1 but the extension was built without CUDA"
+    elif expect == "0":
+        assert not with_cuda, "SPECINFER_EXPECT_CUDA=0 but the extension was built with CUDA"
+
+
+def _visible_nvidia_devices() -> int:
+    """NVIDIA device nodes (/dev/nvidia0, ...): without any, no CUDA runtime can see a GPU."""
+    return len(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def test_cuda_device_count_is_what_the_runtime_sees():
+    count = _C.cuda_device_count()
+    assert isinstance(count, int)
+    if "cuda" not in _C.backends() or _visible_nvidia_devices() == 0:
+        assert count == 0
+    if torch.version.cuda is not None:  # a CUDA build of torch asks the same runtime
+        assert count == torch.cuda.device_count()
+
+
+@gpu
+def test_cuda_device_count_follows_cuda_visible_devices():
+    assert "cuda" in _C.backends()
+    assert _C.cuda_device_count() == torch.cuda.device_count() >= 1
+    hidden = subprocess.run(
+        [sys.executable, "-c", "from specinfer import _C; print(_C.cuda_device_count())"],
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert hidden.stdout.strip() == "0"
 
 
 @settings(max_examples=60, deadline=None)

@@ -9,7 +9,7 @@ from itertools import count, product
 import pytest
 import torch
 
-import specinfer.engine
+import specinfer.engine.sequence
 from marks import CUDA
 from specinfer import Engine, SamplingParams, drafting
 from specinfer.speculator import Speculator
@@ -209,8 +209,6 @@ def test_speculative_metrics_and_bad_configs(tiny_pair):
     out = engine.generate(PROMPT, SamplingParams(max_tokens=10, ignore_eos=True))[0]
     m = out.metrics
     assert m["steps"] >= 1 and m["ssm_s"] > 0 and m["target_s"] > 0
-    assert m["tokens_per_step"] == pytest.approx((len(out.token_ids) - 1) / m["steps"])
-    assert m["accepted_per_depth"][0] >= m["accepted_per_depth"][-1]
     with pytest.raises(ValueError, match="needs an ssm"):
         Engine(target, mode="tree")
     with pytest.raises(ValueError, match="more than max_nodes"):
@@ -225,6 +223,66 @@ def test_speculative_metrics_and_bad_configs(tiny_pair):
         Engine(target, ssm=[1, "ngram"], tree=["1,1", "2"])
     with pytest.raises(ValueError, match="bad ngram option"):
         Engine(target, ssm="ngram:width=3")
+
+
+def _accepted_depth(tree, continuation: list[int]) -> int:
+    """How many tokens of `continuation` (what follows the tree's root in the output) the tree
+    holds as one path from its root: what greedy verification must accept."""
+    node, depth = 0, 0
+    while depth < len(continuation):
+        children = [c for c in range(len(tree)) if tree.parents[c] == node]
+        node = next((c for c in children if tree.tokens[c] == continuation[depth]), None)
+        if node is None:
+            break
+        depth += 1
+    return depth
+
+
+@pytest.mark.parametrize("ssm_kind", ["other", "self", "wrong"])
+def test_speculative_metrics_count_forwards_and_accepted_nodes(tiny_pair, tmp_path, ssm_kind):
+    """steps and tokens_per_step against the target forwards (counted at its LM head), and
+    accepted_per_depth against the depth to which each drafted tree follows the incremental
+    output; a perfect SSM (the target) accepts every depth of every step, a wrong one (a head of
+    tokens the output never holds) none."""
+    target, other = tiny_pair
+    params = SamplingParams(max_tokens=13, ignore_eos=True)
+    reference = Engine(target, dtype="float32").generate(PROMPT, params)[0].token_ids
+    ssm = {"other": other, "self": target, "wrong": tmp_path / "wrong"}[ssm_kind]
+    if ssm_kind == "wrong":
+        shutil.copytree(other, ssm)
+        unused = sorted(set(range(VOCAB)) - set(reference))
+        assert len(unused) >= 2, reference
+        (ssm / "head_tokens.json").write_text(json.dumps({"tokens": unused}))
+    engine = Engine(target, dtype="float32", ssm=ssm, tree="1,2,1", adaptive_tree=False)
+    forwards, drafts = [0], []  # target forwards; (output tokens so far, tree) per draft
+    compute_logits, draft = engine.model.compute_logits, engine.drafter.draft
+
+    def counted_logits(hidden):  # once per target forward (the SSM is another model)
+        forwards[0] += 1
+        return compute_logits(hidden)
+
+    def recorded_draft(batch, tokens, max_depths):
+        trees = draft(batch, tokens, max_depths)
+        drafts.append((len(tokens[0]) - len(PROMPT), trees[0]))
+        return trees
+
+    engine.model.compute_logits, engine.drafter.draft = counted_logits, recorded_draft
+    out = engine.generate(PROMPT, params)[0]
+    assert out.token_ids == reference
+    m = out.metrics
+    steps = forwards[0] - 1  # one prefill forward, then one per step
+    assert m["steps"] == steps == len(drafts)
+    assert m["tokens_per_step"] == pytest.approx((len(reference) - 1) / steps)
+    assert all(tree.tokens[0] == reference[n - 1] for n, tree in drafts)  # rooted at the newest
+    depths = [_accepted_depth(tree, reference[n:]) for n, tree in drafts]
+    assert sum(d + 1 for d in depths) == len(reference) - 1  # each step: accepted + 1 token
+    assert m["accepted_per_depth"] == [sum(d > k for d in depths) for k in range(max(depths))]
+    if ssm_kind == "self":  # 12 tokens after the prefill's: 3 steps of 3 accepted + 1
+        assert m["accepted_per_depth"] == [3, 3, 3] and steps == 3
+    elif ssm_kind == "wrong":
+        assert m["accepted_per_depth"] == [] and steps == len(reference) - 1
+    else:
+        assert 0 < sum(depths) < 3 * steps  # partly accepted: the counts are not trivial
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
@@ -255,7 +313,21 @@ SAMPLES = 20_000
 PARAMS = {"temperature": 1.0}
 
 
-def _exact_joint(engine: Engine, n: int = 3) -> dict[tuple, float]:
+def _filtered(dist: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """dist cut to its top_k tokens, then to the most likely of those until they hold top_p of
+    their mass, renormalised; written token by token, independently of sampling.probabilities."""
+    ranked = sorted(range(len(dist)), key=lambda t: -dist[t].item())[: top_k or None]
+    total, mass, kept = sum(dist[t].item() for t in ranked), 0.0, torch.zeros_like(dist)
+    for t in ranked:
+        if mass >= top_p * total:
+            break
+        kept[t], mass = dist[t], mass + dist[t].item()
+    return kept / kept.sum()
+
+
+def _exact_joint(
+    engine: Engine, n: int = 3, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
+) -> dict[tuple, float]:
     """P(first n tokens) under incremental sampling, from the target's own logits."""
     model = engine.model
     probs: dict[tuple, float] = {(): 1.0}
@@ -267,9 +339,8 @@ def _exact_joint(engine: Engine, n: int = 3) -> dict[tuple, float]:
             kv = model.make_kv_cache(1, T)
             hidden = model(ids, torch.arange(T)[None], kv, torch.tensor([0]), torch.tensor([0]),
                            torch.ones(1, T, T, dtype=torch.bool).tril())  # fmt: skip
-            dist = torch.softmax(
-                model.compute_logits(hidden[0, -1]).double() / PARAMS["temperature"], -1
-            )
+            logits = model.compute_logits(hidden[0, -1]).double()
+            dist = _filtered(torch.softmax(logits / temperature, -1), top_k, top_p)
             for t in range(VOCAB):
                 nxt[prefix + (t,)] = p * dist[t].item()
         probs = nxt
@@ -294,8 +365,10 @@ def _chi_squared_p(
     return stat, 0.5 * math.erfc(z / math.sqrt(2))
 
 
-def _sample_first3(engine: Engine, n: int = SAMPLES, seeded: bool = True) -> dict[tuple, int]:
-    params = [SamplingParams(max_tokens=3, seed=s if seeded else None, ignore_eos=True, **PARAMS)
+def _sample_first3(
+    engine: Engine, n: int = SAMPLES, seeded: bool = True, sampling: dict = PARAMS
+) -> dict[tuple, int]:
+    params = [SamplingParams(max_tokens=3, seed=s if seeded else None, ignore_eos=True, **sampling)
               for s in range(n)]  # fmt: skip
     outs = engine.generate([PROMPT] * n, params)
     counts: dict[tuple, int] = {}
@@ -307,7 +380,7 @@ def _sample_first3(engine: Engine, n: int = SAMPLES, seeded: bool = True) -> dic
 
 @pytest.fixture(scope="module")
 def exact(tiny_pair):
-    return _exact_joint(Engine(tiny_pair[0], dtype="float32"))
+    return _exact_joint(Engine(tiny_pair[0], dtype="float32"), **PARAMS)
 
 
 def _speculative_engine(tiny_pair, **kwargs):
@@ -350,6 +423,61 @@ def test_sampling_matches_incremental_distribution(tiny_pair, restricted_ssm, ex
     stat, p = _chi_squared_p(_sample_first3(engine), exact, SAMPLES)
     print(f"\n{name}: chi2 = {stat:.1f}, p = {p:.3f}")
     assert p > 0.01, f"{name}: chi2 = {stat:.1f}, p = {p:.2e}"
+
+
+FILTERS = {
+    "temperature 0.7": {"temperature": 0.7},
+    "top_k 3": {"temperature": 1.0, "top_k": 3},
+    "top_p 0.8": {"temperature": 1.0, "top_p": 0.8},
+}
+
+
+@pytest.fixture(scope="module")
+def exact_filtered(tiny_pair):
+    engine = Engine(tiny_pair[0], dtype="float32")
+    return {name: _exact_joint(engine, **sampling) for name, sampling in FILTERS.items()}
+
+
+FILTERED_SAMPLES = 10_000
+CHILDREN = [("mss, sampled children", SAMPLED), ("mss, top-k children", TOP_K)]
+
+
+FILTERED_CASES = [("incremental", None, f) for f in FILTERS] + [
+    (name, tree, f) for name, tree in CHILDREN for f in FILTERS
+]
+
+
+@pytest.mark.parametrize(
+    "name, tree, filters", FILTERED_CASES, ids=[f"{n}, {f}" for n, _, f in FILTERED_CASES]
+)
+def test_filtered_sampling_matches_incremental_distribution(
+    tiny_pair, exact_filtered, name, tree, filters
+):
+    """Temperature, top-k and top-p under speculation: the target's filtered distribution (what
+    incremental sampling draws from, computed here on its own), where top-k / top-p leave tokens
+    of probability 0 that must never appear, proposed by the SSM or not."""
+    engine = (
+        Engine(tiny_pair[0], dtype="float32", max_batch_size=512)
+        if tree is None
+        else _speculative_engine(tiny_pair, tree=tree)
+    )
+    exact, n = exact_filtered[filters], FILTERED_SAMPLES
+    counts = _sample_first3(engine, n, sampling=FILTERS[filters])
+    impossible = {key: c for key, c in counts.items() if exact[key] == 0}
+    assert not impossible, f"{name}, {filters}: outputs of probability 0: {impossible}"
+    stat, p = _chi_squared_p(counts, exact, n)
+    print(f"\n{name}, {filters}: chi2 = {stat:.1f}, p = {p:.3f}")
+    assert p > 0.01, f"{name}, {filters}: chi2 = {stat:.1f}, p = {p:.2e}"
+
+
+def test_filtered_exact_joints_differ(exact, exact_filtered):
+    """The filters matter on this model: top-k and top-p leave out most sequences, and a lower
+    temperature moves the distribution (so a test that ignored them would fail)."""
+    for name, joint in exact_filtered.items():
+        assert sum(joint.values()) == pytest.approx(1.0)
+        assert max(abs(joint[k] - exact[k]) for k in exact) > 0.02, name
+    assert sum(p == 0 for p in exact_filtered["top_k 3"].values()) == VOCAB**3 - 3**3
+    assert sum(p == 0 for p in exact_filtered["top_p 0.8"].values()) > VOCAB**3 / 2
 
 
 def _wrong_ratio_on_topk(self, tree, nodes, logits, width, params, generator):
@@ -423,8 +551,8 @@ def test_sampling_with_cut_trees_matches_incremental_distribution(tiny_pair, exa
     """Unseeded requests (seeded ones keep whole trees, to reproduce); their generators are
     seeded here from a counter so the test itself is reproducible."""
     seeds = count()
-    monkeypatch.setattr(specinfer.engine, "make_generator",
-                        lambda seed: torch.Generator().manual_seed(next(seeds)))  # fmt: skip
+    monkeypatch.setattr(specinfer.engine.sequence, "make_generator",
+                        lambda seed, device: torch.Generator(device).manual_seed(next(seeds)))  # fmt: skip
     engine = _speculative_engine(tiny_pair, tree=TreeConfig((2, 2)))
     engine.budget = SteepCosts()
     stat, p = _chi_squared_p(_sample_first3(engine, seeded=False), exact, SAMPLES)

@@ -2,7 +2,8 @@
 decoding (which test_generation_vs_hf.py holds equal to HF transformers).
 
 The only tolerated divergence is a genuine near-tie: at the first differing token the target's
-top-2 logits (for the reference prefix) are within 1e-4; each such case is reported.
+top-2 logits (for the reference prefix) are within 1e-4; each such case is reported, and a run
+may have at most one per 8 prompts (at least one).
 The fast run covers a few prompts; --runslow runs 30 prompts x 128 tokens per configuration.
 """
 
@@ -52,7 +53,12 @@ def _reference(incremental: Engine, prompts: list, tokens: int) -> list:
     return _references[key]
 
 
-def _check(incremental: Engine, spec: Engine, prompts: list, tokens: int) -> list[str]:
+def _check(
+    incremental: Engine, spec: Engine, prompts: list, tokens: int, max_ties: int | None = None
+) -> list[str]:
+    """Every output equals incremental decoding's but for at most max_ties genuine near-ties
+    (default: one per 8 prompts, at least one); each tie is printed."""
+    max_ties = max(1, len(prompts) // 8) if max_ties is None else max_ties
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     reference = _reference(incremental, prompts, tokens)
     outs = spec.generate(prompts, params)
@@ -64,12 +70,14 @@ def _check(incremental: Engine, spec: Engine, prompts: list, tokens: int) -> lis
         if split is None:
             assert len(out.token_ids) == len(ref.token_ids) == tokens
             continue
-        prefix = incremental._prompt_ids(i, prompts[i]) + ref.token_ids[:split]
+        prefix = incremental.prompt_ids(prompts[i]) + ref.token_ids[:split]
         gap, top2 = _top2_gap(incremental, prefix)
         assert gap < NEAR_TIE and out.token_ids[split] in top2, (
             f"prompt {i} diverged at token {split}: {out.token_ids[split]} vs {ref.token_ids[split]}, gap {gap:.1e}"
         )
         ties.append(f"prompt {i}: near-tie at token {split} (gap {gap:.1e})")
+        print(f"\n  {ties[-1]}")
+    assert len(ties) <= max_ties, f"{len(ties)} near-ties, at most {max_ties} allowed: {ties}"
     return ties
 
 
@@ -139,7 +147,7 @@ def test_generate_speculates_by_default(smollm_gguf, capsys, ssm):
     if ssm and smollm_gguf.name != GGUF_NAME:
         pytest.skip("the shipped SSM belongs to the default model")
     args = ["generate", "Name three colours.", "--max-tokens", "12", "--dtype", "float32",
-            "--model", str(smollm_gguf)]  # fmt: skip
+            "--model", str(smollm_gguf), "--temperature", "0"]  # fmt: skip
     assert main(args + ssm + ["--stats"]) == 0
     speculative = capsys.readouterr()
     assert "ngram:" in speculative.err  # per-SSM statistics: the n-gram drafter drafted

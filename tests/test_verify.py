@@ -261,13 +261,19 @@ ALL_STOCHASTIC = [verify.verify_stochastic, verify.verify_stochastic_reference]
 
 @pytest.mark.parametrize("fn", ALL_STOCHASTIC)
 def test_verify_stochastic_certain_outcomes(fn):
-    p = torch.tensor([[0.2, 0.3, 0.5, 0.0], [0.0, 1.0, 0.0, 0.0], [0.1, 0.2, 0.3, 0.4]])
+    p = torch.tensor([[0.2, 0.3, 0.5, 0.0], [0.0, 1.0, 0.0, 0.0], [0.0, 0.7, 0.0, 0.3]])
     chain = ([-1, 0, 1], [3, 2, 1])
-    for seed in range(50):
+    bonus = Counter()
+    for seed in range(400):
         # q equal to the target: the sampled child is always accepted; so is a point mass at a
-        # token of probability 1; the bonus comes from the leaf's distribution.
+        # token of probability 1; the bonus comes from the leaf's distribution (tokens 1 and 3,
+        # 7:3), not from the root's or the middle node's.
         path, token = fn(*chain, p, ([0, 1], [1, 2], [0, -1]), p[:1], seed)
-        assert path == [0, 1, 2] and token in (0, 1, 2, 3)
+        assert path == [0, 1, 2]
+        bonus[token] += 1
+    assert set(bonus) == {1, 3}, bonus  # 0 and 2 have probability 0 at the leaf
+    assert abs(bonus[1] / 400 - 0.7) < 0.1, bonus  # 4.4 standard deviations
+    for seed in range(50):
         # A child of target probability 0 is never accepted, nor drawn as the correction.
         path, token = fn([-1, 0], [9, 3], p[:2], ([0], [1], [-1]), None, seed)
         assert path == [0] and token != 3
