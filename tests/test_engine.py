@@ -107,8 +107,8 @@ def test_cli_streams_a_completion(smollm_gguf, capsys):
 @pytest.mark.parametrize(
     "flags, expected",
     [
-        ([], {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.1}),
-        (["--temperature", "0"], {"temperature": 0.0, "repetition_penalty": 1.0}),
+        ([], {"temperature": 0.2, "top_p": 0.9, "frequency_penalty": 0.3, "repetition_penalty": 1.0}),
+        (["--temperature", "0"], {"temperature": 0.0, "frequency_penalty": 0.0}),
         (["--temperature", "0", "--repetition-penalty", "1.2"], {"repetition_penalty": 1.2}),
         (["--presence-penalty", "0.5", "--frequency-penalty", "0.25", "--top-k", "40"],
          {"presence_penalty": 0.5, "frequency_penalty": 0.25, "top_k": 40}),

@@ -18,26 +18,27 @@ def main(argv: list[str] | None = None) -> int:
         "--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)"
     )
     gen.add_argument("--max-tokens", type=int, default=128)
-    # SmolLM2's model card samples with temperature 0.2, top_p 0.9; a mild repetition penalty
-    # (ollama's default 1.1) keeps a small model from looping.
+    # SmolLM2's model card samples with temperature 0.2, top_p 0.9; a mild frequency penalty
+    # keeps a small model from looping. (HF's repetition penalty scales logits, so it moves the
+    # SSM's differently offset logits unlike the target's: fewer drafts accepted. The OpenAI
+    # penalties subtract, which any offset survives.)
     gen.add_argument(
         "--temperature",
         type=float,
         default=0.2,
-        help="sampling temperature (default 0.2); 0 = greedy decoding, with no repetition "
-        "penalty unless --repetition-penalty is given: the model's exact argmax output",
+        help="sampling temperature (default 0.2); 0 = greedy decoding, with no penalty unless "
+        "one is given: the model's exact argmax output",
     )
     gen.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
     gen.add_argument("--top-p", type=float, default=0.9, help="default 0.9; 1 = off")
     gen.add_argument(
-        "--repetition-penalty",
+        "--frequency-penalty",
         type=float,
         default=None,
-        help="HF's repetition penalty over prompt and output (default 1.1 when sampling, "
-        "1 = off with --temperature 0)",
+        help="OpenAI's, in [-2, 2] (default 0.3 when sampling, 0 with --temperature 0)",
     )
     gen.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
-    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="HF's (default 1 = off)")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16")
     gen.add_argument("--device", default="cpu")
@@ -98,18 +99,18 @@ def main(argv: list[str] | None = None) -> int:
     from specinfer.default_model import ships_an_ssm
 
     try:
-        repetition = args.repetition_penalty
-        if repetition is None:
-            repetition = 1.1 if args.temperature > 0 else 1.0
+        frequency = args.frequency_penalty
+        if frequency is None:
+            frequency = 0.3 if args.temperature > 0 else 0.0
         params = SamplingParams(
             max_tokens=args.max_tokens,
             temperature=args.temperature,
             top_k=args.top_k,
             top_p=args.top_p,
             seed=args.seed,
-            repetition_penalty=repetition,
+            repetition_penalty=args.repetition_penalty,
             presence_penalty=args.presence_penalty,
-            frequency_penalty=args.frequency_penalty,
+            frequency_penalty=frequency,
         )
         ssm = args.ssm
         if ssm is None and args.mode != "incremental":
