@@ -258,6 +258,7 @@ def server(extra: list[str], args):
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
+    info["pid"] = proc.pid
     try:
         t0 = time.perf_counter()
         deadline = t0 + args.startup_timeout
