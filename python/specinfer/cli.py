@@ -95,8 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return _serve(args)
 
-    from specinfer import Engine, SamplingParams  # after parsing: --help stays instant
-    from specinfer.default_model import ships_an_ssm
+    from specinfer import SamplingParams  # after parsing: --help stays instant
 
     try:
         frequency = args.frequency_penalty
@@ -112,23 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             presence_penalty=args.presence_penalty,
             frequency_penalty=frequency,
         )
-        ssm = args.ssm
-        if ssm is None and args.mode != "incremental":
-            # Measured (benchmarks/results/spec_paired.json, 2-core CPU, bf16): the shipped SSM
-            # drafting one token merged with prompt lookup, 1.18x incremental; prompt lookup
-            # alone (the only drafter for other models), 1.06x.
-            ssm = ["default", "ngram"] if ships_an_ssm(args.model) else ["ngram"]
-        engine = Engine(
-            args.model,
-            dtype=args.dtype,
-            device=args.device,
-            threads=args.threads,
-            ssm=ssm,
-            tree=args.tree,
-            mode=args.mode,
-            ssm_head=args.ssm_head,
-            adaptive_tree=not args.whole_trees,
-        )
+        engine = engine_from_args(args)
         use_chat = args.chat if args.chat is not None else bool(engine.tokenizer.chat_template)
         prompt = [{"role": "user", "content": args.prompt}] if use_chat else args.prompt
         for delta in engine.stream(prompt, params):
@@ -212,6 +195,23 @@ def _serve(args) -> int:
     from specinfer.server import serve
 
     return serve.run(args)
+
+
+def engine_from_args(args, **serving):
+    """The Engine the model and speculation options describe (generate's and serve's), with
+    `serving` knobs (max_batch_size, ...) on top."""
+    from specinfer import Engine
+    from specinfer.default_model import ships_an_ssm
+
+    ssm = args.ssm
+    if ssm is None and args.mode != "incremental":
+        # Measured (benchmarks/results/spec_paired.json, 2-core CPU, bf16): the shipped SSM
+        # drafting one token merged with prompt lookup, 1.18x incremental; prompt lookup
+        # alone (the only drafter for other models), 1.06x.
+        ssm = ["default", "ngram"] if ships_an_ssm(args.model) else ["ngram"]
+    return Engine(args.model, dtype=args.dtype, device=args.device, threads=args.threads,
+                  ssm=ssm, tree=args.tree, mode=args.mode, ssm_head=args.ssm_head,
+                  adaptive_tree=not args.whole_trees, **serving)  # fmt: skip
 
 
 def _format_stats(m: dict) -> str:

@@ -31,26 +31,10 @@ def served_name(model: str | None) -> str:
 
 def build_engine(args):
     """The Engine the serve options describe; speculation defaults as `specinfer generate`'s."""
-    from specinfer.default_model import ships_an_ssm
-    from specinfer.engine import Engine
+    from specinfer.cli import engine_from_args
 
-    ssm = args.ssm
-    if ssm is None and args.mode != "incremental":
-        ssm = ["default", "ngram"] if ships_an_ssm(args.model) else ["ngram"]
-    return Engine(
-        args.model,
-        dtype=args.dtype,
-        device=args.device,
-        threads=args.threads,
-        max_batch_size=args.max_batch_size,
-        max_model_len=args.max_model_len,
-        kv_budget=args.kv_budget,
-        ssm=ssm,
-        tree=args.tree,
-        mode=args.mode,
-        ssm_head=args.ssm_head,
-        adaptive_tree=not args.whole_trees,
-    )
+    return engine_from_args(args, max_batch_size=args.max_batch_size,
+                            max_model_len=args.max_model_len, kv_budget=args.kv_budget)  # fmt: skip
 
 
 def run(args) -> int:
