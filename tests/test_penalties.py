@@ -8,7 +8,7 @@ import torch
 from specinfer import Engine, SamplingParams
 from specinfer.sampling import Penalties
 from specinfer.tree import TokenTree, TreeConfig
-from test_speculative import PROMPT, VOCAB, _chi_squared_p, tiny_pair  # noqa: F401
+from test_speculative import PROMPT, VOCAB, _chi_squared_p, _last_logits, tiny_pair  # noqa: F401
 
 PENALTIES = {"repetition_penalty": 1.4, "presence_penalty": 0.6, "frequency_penalty": 0.4}
 
@@ -137,13 +137,8 @@ def exact_penalised(tiny_pair):  # noqa: F811
     for _ in range(3):
         nxt = {}
         for prefix, p in probs.items():
-            ids = torch.tensor([PROMPT + list(prefix)])
-            T = ids.shape[1]
-            kv = model.make_kv_cache(1, T)
-            hidden = model(ids, torch.arange(T)[None], kv, torch.tensor([0]), torch.tensor([0]),
-                           torch.ones(1, T, T, dtype=torch.bool).tril())  # fmt: skip
-            logits = _reference(model.compute_logits(hidden[0, -1]), PROMPT, list(prefix),
-                                1.4, 0.6, 0.4)  # fmt: skip
+            raw = _last_logits(model, PROMPT + list(prefix))
+            logits = _reference(raw, PROMPT, list(prefix), 1.4, 0.6, 0.4)
             dist = torch.softmax(logits / TEMPERATURE, -1)
             for t in range(VOCAB):
                 nxt[prefix + (t,)] = p * dist[t].item()

@@ -325,6 +325,15 @@ def _filtered(dist: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return kept / kept.sum()
 
 
+def _last_logits(model, ids: list[int]) -> torch.Tensor:
+    """The target's logits after `ids`, from one plain causal forward."""
+    T = len(ids)
+    kv = model.make_kv_cache(1, T)
+    hidden = model(torch.tensor([ids]), torch.arange(T)[None], kv, torch.tensor([0]),
+                   torch.tensor([0]), torch.ones(1, T, T, dtype=torch.bool).tril())  # fmt: skip
+    return model.compute_logits(hidden[0, -1])
+
+
 def _exact_joint(
     engine: Engine, n: int = 3, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
 ) -> dict[tuple, float]:
@@ -334,12 +343,7 @@ def _exact_joint(
     for _ in range(n):
         nxt = {}
         for prefix, p in probs.items():
-            ids = torch.tensor([PROMPT + list(prefix)])
-            T = ids.shape[1]
-            kv = model.make_kv_cache(1, T)
-            hidden = model(ids, torch.arange(T)[None], kv, torch.tensor([0]), torch.tensor([0]),
-                           torch.ones(1, T, T, dtype=torch.bool).tril())  # fmt: skip
-            logits = model.compute_logits(hidden[0, -1]).double()
+            logits = _last_logits(model, PROMPT + list(prefix)).double()
             dist = _filtered(torch.softmax(logits / temperature, -1), top_k, top_p)
             for t in range(VOCAB):
                 nxt[prefix + (t,)] = p * dist[t].item()

@@ -115,8 +115,11 @@ class Penalties:
 
     def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int):
         self.params, self.vocab_size = params, vocab_size
-        self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool)
-        self.in_prompt[torch.tensor(prompt_ids, dtype=torch.long)] = True
+        self.active = params.penalized  # callers skip building branches when False
+        self.in_prompt = None
+        if self.active:
+            self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool)
+            self.in_prompt[torch.tensor(prompt_ids, dtype=torch.long)] = True
 
     def apply(
         self,
@@ -129,7 +132,7 @@ class Penalties:
         output_ids + branches[i] (no branches: output_ids alone); column j is token
         vocab_ids[j] (default: token j)."""
         p = self.params
-        if not p.penalized:
+        if not self.active:
             return logits
         rows = logits.shape[0]
         counts = torch.bincount(

@@ -117,7 +117,9 @@ class Speculator:
                 # The request's penalties apply to the SSM's logits as to the target's (each
                 # node's by its own path): its proposals then avoid what the target's penalised
                 # logits avoid, and a sampled child's recorded q is what it was drawn from.
-                lg = r.penalties.apply(logits[b], r.output_ids, tree.branches(nodes), self.head_ids)
+                lg = logits[b]
+                if r.penalties.active:
+                    lg = r.penalties.apply(lg, r.output_ids, tree.branches(nodes), self.head_ids)
                 start = len(tree)
                 self._expand(tree, nodes, lg, width, r.params, r.generator)
                 frontier[b] = range(start, len(tree))

@@ -68,14 +68,14 @@ class ModelRunner:
     def decode(self, kv, seqs: list[Sequence]) -> torch.Tensor:
         """One token per sequence (its newest); logits [B, V]."""
         return self.forward_chains(kv, seqs, [[s.output_ids[-1]] for s in seqs],
-                                   [len(s.tokens) - 1 for s in seqs])  # fmt: skip
+                                   [s.num_tokens - 1 for s in seqs])  # fmt: skip
 
     def tree(self, kv, seqs: list[Sequence], trees: list[TokenTree]) -> torch.Tensor:
         """Every tree's nodes in one forward: node i at slot prefix + i, RoPE position prefix +
         depth, seeing the cached prefix and its own ancestors. Logits [B, T, V]."""
         dev = self.device
         T = max(len(tree) for tree in trees)
-        prefix = [len(s.tokens) - 1 for s in seqs]
+        prefix = [s.num_tokens - 1 for s in seqs]
         mask = torch.zeros(len(seqs), T, T, dtype=torch.bool)
         for b, tree in enumerate(trees):
             mask[b, : len(tree), : len(tree)] = tree.ancestor_mask()

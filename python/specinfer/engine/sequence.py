@@ -65,8 +65,8 @@ class Sequence:
                         "commit_s": 0.0, "tree_nodes": 0, "accepted_per_depth": [], "per_ssm": []}  # fmt: skip
 
     @property
-    def tokens(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
 
     @property
     def prefilled(self) -> bool:

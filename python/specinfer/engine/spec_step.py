@@ -23,7 +23,7 @@ def speculative_step(seqs: list[Sequence], kv, runner: ModelRunner, drafter, bud
     """Each sequence's new tokens (its accepted path's tokens, then the target's next one) and
     the tree that was verified."""
     dev = runner.device
-    tokens = [s.tokens for s in seqs]
+    tokens = [s.prompt_ids + s.output_ids for s in seqs]
     # No point speculating past what the request may still generate.
     max_depths = [s.max_len - len(seq) - 1 for s, seq in zip(seqs, tokens)]
     t0 = time.perf_counter()
@@ -64,8 +64,8 @@ def speculative_step(seqs: list[Sequence], kv, runner: ModelRunner, drafter, bud
 def verify_tree(seq: Sequence, tree: TokenTree, logits: torch.Tensor,
                 verifier: str) -> tuple[list[int], int]:  # fmt: skip
     """The accepted path (node ids from the root) and the target's token after it."""
-    # Node u's logits are penalised as incremental decoding would after u's path.
-    logits = seq.penalties.apply(logits, seq.output_ids, tree.branches())
+    if seq.penalties.active:  # node u's logits as incremental decoding would after u's path
+        logits = seq.penalties.apply(logits, seq.output_ids, tree.branches())
     if seq.params.greedy:
         return verify.verify_greedy(tree.parents, tree.tokens, logits.argmax(-1))
     p = probabilities(logits, seq.params.temperature, seq.params.top_k, seq.params.top_p)
