@@ -20,13 +20,17 @@ def _chain(tokens, source=0, tree=None):
 
 
 class SteepCosts(TreeBudget):
-    """Fixed prices: a forward costs 1 + width^2 / 4, a step 1 besides; nothing is timed.
-    Counts the nodes it cuts."""
+    """Fixed prices: a forward costs 1 + steepness * width^2, a step 1 besides; nothing is
+    timed. Counts the nodes it cuts."""
 
     cut = 0
 
+    def __init__(self, steepness=0.25):
+        super().__init__()
+        self.steepness = steepness
+
     def estimate(self, batch, width):
-        return 1.0 + width * width / 4
+        return 1.0 + self.steepness * width * width
 
     def time_step(self, batch, width, target_s, other_s):
         self.overhead = 1.0
