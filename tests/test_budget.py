@@ -32,7 +32,7 @@ class SteepCosts(TreeBudget):
     def estimate(self, batch, width):
         return 1.0 + self.steepness * width * width
 
-    def time_step(self, batch, width, target_s, other_s):
+    def time_step(self, *timings):
         self.overhead = 1.0
 
     def choose(self, trees, params):
@@ -119,6 +119,28 @@ def test_untimed_widths_are_priced_optimistically():
     assert budget.estimate(4, 2) == 0.040  # 8 rows: no cheaper than 4
     budget.time_step(1, 4, 10.0, 0.0)  # a stall counts at most twice the estimate
     assert budget.estimate(1, 4) == pytest.approx(0.75 * 0.040 + 0.25 * 0.080)
+
+
+def test_a_drafter_whose_nodes_are_all_cut_stops_and_is_retried_ever_less_often():
+    def draft(run):  # drafter 0 proposes 1 2 3, drafter 1 (when it drafts) 4 5 6
+        tree = _chain([1, 2, 3], source=0)
+        return _chain([4, 5, 6], source=1, tree=tree) if 1 in run else tree
+
+    budget = SteepCosts()
+    budget.time_step(1, 1, 0, 0)
+    budget.observe([draft({1})] * 30, [[0, 1, 2, 3]] * 30)  # drafter 0 accepted, 1 never
+    runs = []
+    for _ in range(18):
+        runs.append(budget.drafts(2))
+        assert 1 in budget.choose([draft(runs[-1])], GREEDY)[0]  # drafter 0's nodes are kept
+    assert all(0 in run for run in runs)
+    # drafter 1: 4 steps with every node cut, then it drafts again after 2, 4 and 8 skipped steps
+    pattern = [True] * 4 + [False, True] + [False] * 3 + [True] + [False] * 7 + [True]
+    assert [1 in run for run in runs] == pattern
+    budget.observe([draft({1})] * 30, [[0, 4, 5, 6]] * 30)  # now drafter 1 is accepted...
+    budget.choose([draft({1})], GREEDY)  # ...and the cut keeps its nodes: it drafts every step
+    assert all(budget.drafts(2) == {0, 1} for _ in range(10))
+    assert TreeBudget().drafts(3) == {0, 1, 2}  # nothing learned: everyone drafts
 
 
 def test_rates_follow_the_verifications():

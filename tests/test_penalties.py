@@ -8,8 +8,8 @@ import torch
 from specinfer import Engine, SamplingParams
 from specinfer.sampling import Penalties
 from specinfer.tree import TokenTree, TreeConfig
-from test_speculative import PROMPT, VOCAB, _chi_squared_p, _last_logits, tiny_pair  # noqa: F401
 from test_budget import SteepCosts
+from test_speculative import PROMPT, VOCAB, _chi_squared_p, _last_logits, tiny_pair  # noqa: F401
 
 PENALTIES = {"repetition_penalty": 1.4, "presence_penalty": 0.6, "frequency_penalty": 0.4}
 

@@ -4,7 +4,7 @@ incremental) and for sampling (chi-squared against the exact incremental distrib
 import json
 import math
 import shutil
-from itertools import count, product
+from itertools import combinations, count, product
 
 import pytest
 import torch
@@ -12,6 +12,7 @@ import torch
 import specinfer.engine.sequence
 from marks import CUDA
 from specinfer import Engine, SamplingParams, drafting
+from specinfer.budget import TreeBudget
 from specinfer.speculator import Speculator
 from specinfer.tree import TreeConfig, merge_trees
 from test_budget import SteepCosts
@@ -305,6 +306,62 @@ def test_greedy_with_cut_trees_equals_incremental(tiny_pair, ssm, device):
         assert [o.token_ids for o in outs] == [r.token_ids for r in reference], cut
         nodes[cut] = sum(o.metrics["tree_nodes"] / o.metrics["steps"] for o in outs)
     assert nodes[True] < nodes[False] and engine.budget.cut > 0
+
+
+class Rotating(TreeBudget):
+    """Drafts with every set of drafters in turn (all, ..., none) and keeps whole trees: each
+    SSM skips steps and catches up."""
+
+    calls = 0
+
+    def drafts(self, drafters):
+        sets = [
+            frozenset(c) for k in range(drafters, -1, -1) for c in combinations(range(drafters), k)
+        ]
+        self.calls += 1
+        return sets[self.calls % len(sets)]
+
+    def choose(self, trees, params):
+        return [list(range(len(t))) for t in trees]
+
+
+class NeverDrafts(TreeBudget):
+    def drafts(self, drafters):
+        return frozenset()
+
+
+@pytest.mark.parametrize("ssm", ["self", "other+ngram", "layers"])
+def test_skipped_drafts_catch_up_and_stay_exact(tiny_pair, ssm):
+    target, other = tiny_pair
+    specs = {"self": target, "other+ngram": [other, "ngram"], "layers": 1}[ssm]
+    prompts = [PROMPT, [3], [5, 5, 1, 0, 2, 4, 4], [2, 3]]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    reference = Engine(target, dtype="float32").generate(prompts, params)
+    engine = Engine(target, dtype="float32", ssm=specs, tree="1,1,1", max_batch_size=3)
+    engine.budget = Rotating()
+    outs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    for o in outs:
+        m = o.metrics
+        assert 0 < m["tree_nodes"] - m["steps"] < 3 * m["steps"]  # some steps drafted, not all
+        if ssm == "self":  # caught up after each skip, its drafts are still the target's own
+            acc = m["accepted_per_depth"]  # the last steps of a request may cap the depth
+            assert len(acc) == 3 and acc[2] >= acc[0] - 2 and acc[0] >= m["steps"] // 2 - 1, m
+
+
+def test_seeded_sampling_is_drafted_when_the_others_are_not(tiny_pair):
+    target, other = tiny_pair
+    params = [SamplingParams(max_tokens=16, temperature=0.9, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=16, ignore_eos=True)]  # fmt: skip
+    whole = Engine(target, dtype="float32", ssm=other, tree="2,1", adaptive_tree=False)
+    expected = whole.generate([PROMPT, [3]], params)
+    engine = Engine(target, dtype="float32", ssm=other, tree="2,1")
+    engine.budget = NeverDrafts()
+    seeded, greedy = engine.generate([PROMPT, [3]], params)
+    assert seeded.token_ids == expected[0].token_ids  # its seed reproduces it, whatever the load
+    assert seeded.metrics["tree_nodes"] > seeded.metrics["steps"]  # it was drafted
+    assert greedy.token_ids == expected[1].token_ids
+    assert greedy.metrics["tree_nodes"] == greedy.metrics["steps"]  # plain decoding
 
 
 # -- sampling: the same distribution as incremental sampling ------------------------------------

@@ -17,6 +17,12 @@ reproduce its output, so its trees must not depend on timings (the others in its
 cut). Forward costs are learned per row count (batch x width), so they carry over as requests
 join and leave; width 1 (no speculation) is always a candidate, so when trees do not pay (large
 batches on a CPU) a step becomes plain decoding by itself.
+
+Drafting that only feeds the cut is time lost, so a drafter whose every node the cut dropped in
+its last PATIENCE steps stops drafting for the requests that may be cut (`drafts`); it drafts
+again after 2, then 4, ... 64 skipped steps, and resumes for good once the cut keeps a node of
+it (the text became predictable, the batch shrank). When all drafters stop, a step is plain
+decoding: no SSM forward at all. Lossless for the same reason as the cut.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from specinfer.tree import TokenTree
 PRIOR = 2.0  # pseudo-counts pulling a depth's rate towards the depth above (or 0.5 at depth 1)
 DECAY = 0.98  # weight of the past per observed step: rates follow the text being generated
 SMOOTH = 0.25  # weight of the newest timing of a width
+PATIENCE = 4  # drafted steps with every node cut before a drafter stops drafting
+EXPLORE = (2, 64)  # skipped steps before a stopped drafter drafts again: first, and at most
 
 
 class TreeBudget:
@@ -38,6 +46,9 @@ class TreeBudget:
         self.cost: dict[int, float] = {}  # rows (batch x width) -> target forward seconds
         self._seen: set[tuple[int, int]] = set()  # shapes timed once (that run recorded a graph)
         self.overhead = 0.0  # seconds a step spends outside the target forward
+        self._idle: dict[int, int] = {}  # drafter -> its last drafted steps with no node kept
+        self._skipped: dict[int, int] = {}  # drafter -> steps skipped since it last drafted
+        self._explore: dict[int, int] = {}  # drafter -> skipped steps before it drafts again
 
     def rates(self, drafter: int, depth: int) -> list[float]:
         """Conditional acceptance of a node proposed by `drafter` at depths 1..depth (index 0:
@@ -95,8 +106,43 @@ class TreeBudget:
                 return whole  # nothing timed yet: verify everything and learn
             if gains[width - 1] / seconds > best_score:
                 best, best_score = width, gains[width - 1] / seconds
-        return [keep if order is None else sorted([0] + order[: best - 1])
+        kept = [keep if order is None else sorted([0] + order[: best - 1])
                 for keep, order in zip(whole, orders)]  # fmt: skip
+        self._note_idle(trees, kept, orders)
+        return kept
+
+    def _note_idle(self, trees: list[TokenTree], kept: list[list[int]],
+                   orders: list[list[int] | None]) -> None:  # fmt: skip
+        """Per drafter that proposed nodes in the trees that may be cut: whether the cut kept
+        any of them."""
+        proposed, used = set(), set()
+        for tree, keep, order in zip(trees, kept, orders):
+            if order is None:  # kept whole by rule: says nothing about the drafter's worth
+                continue
+            keep = set(keep)
+            for child, source in zip(tree.prop_child, tree.prop_source):
+                proposed.add(source)
+                if child in keep:
+                    used.add(source)
+        for i in proposed:
+            self._idle[i] = 0 if i in used else self._idle.get(i, 0) + 1
+            if i in used:
+                self._explore[i] = EXPLORE[0]
+
+    def drafts(self, drafters: int) -> frozenset[int]:
+        """Which of the `drafters` (ids 0..drafters-1) should draft this step's trees that may
+        be cut: those the cut kept a node of lately, and a stopped one whose time to try again
+        has come."""
+        run = set()
+        for i in range(drafters):
+            if self._idle.get(i, 0) >= PATIENCE:
+                self._skipped[i] = self._skipped.get(i, 0) + 1
+                if self._skipped[i] < self._explore.get(i, EXPLORE[0]):
+                    continue
+                self._explore[i] = min(2 * self._explore.get(i, EXPLORE[0]), EXPLORE[1])
+            self._skipped[i] = 0
+            run.add(i)
+        return frozenset(run)
 
     def estimate(self, batch: int, width: int) -> float:
         """The target forward's time for `batch` trees padded to `width`, priced by its rows
@@ -141,8 +187,14 @@ class TreeBudget:
             self.cost[rows] = (1 - SMOOTH) * old + SMOOTH * min(target_s, 2 * old)
 
 
+def must_draft(params: SamplingParams) -> bool:
+    """A seeded sampling request is drafted by every drafter at every step: its seed must
+    reproduce its output, so its trees must not depend on timings."""
+    return params.seed is not None and not params.greedy
+
+
 def _must_stay_whole(tree: TokenTree, params: SamplingParams) -> bool:
     """A tree with a sampled child (dropping some of its i.i.d. draws depending on what they
     drew would bias verification), or a seeded sampling request's (its seed must reproduce its
     output, so its trees must not depend on timings)."""
-    return any(q >= 0 for q in tree.prop_q) or (params.seed is not None and not params.greedy)
+    return any(q >= 0 for q in tree.prop_q) or must_draft(params)

@@ -44,9 +44,12 @@ class Drafter:
         for s in self.ssms:
             s.admit(row)
 
-    def draft(self, batch: list, tokens: list[list[int]], max_depths: list[int]) -> list[TokenTree]:
-        self._trees, self.last_times = [], []
-        for s in self.ssms:
+    def draft(self, batch: list, tokens: list[list[int]],
+              depths: list[list[int]]) -> list[TokenTree]:  # fmt: skip
+        """One merged tree per request; depths[i][b]: SSM i's depth cap for request b (0: that
+        SSM does not draft for it)."""
+        self._trees, self.last_times, self._depths = [], [], depths
+        for s, max_depths in zip(self.ssms, depths):
             t0 = time.perf_counter()
             self._trees.append(s.draft(batch, tokens, max_depths))
             self.last_times.append(time.perf_counter() - t0)
@@ -72,12 +75,11 @@ class Drafter:
         self._merged = trees
         return trees
 
-    def commit(self, batch: list, prefix: list[int], paths: list[list[int]],
-               max_depths: list[int]) -> None:  # fmt: skip
+    def commit(self, batch: list, prefix: list[int], paths: list[list[int]]) -> None:
         """Tell each SSM the accepted paths (merged node ids) of the last draft."""
         for i, s in enumerate(self.ssms):
             own = [_own_path(path, maps[i]) for path, maps in zip(paths, self._maps)]
-            s.commit(batch, prefix, own, self._trees[i], max_depths)
+            s.commit(batch, prefix, own, self._trees[i], self._depths[i])
 
     def record(self, metrics: list[dict], paths: list[list[int]]) -> None:
         """Add the last step to each request's per-SSM metrics: the SSM's drafting time (of the

@@ -90,7 +90,18 @@ class Speculator:
 
     def draft(self, batch: list, tokens: list[list[int]], max_depths: list[int]) -> list[TokenTree]:
         """Draft one tree per request. `batch[b]` has .row, .params, .generator, .penalties and
-        .output_ids; tokens[b] is its whole sequence; max_depths[b] caps its depth."""
+        .output_ids; tokens[b] is its whole sequence; max_depths[b] caps its depth. A request
+        of depth 0 gets its root alone and the SSM skips it: what it missed is fed at its next
+        draft."""
+        live = [b for b, d in enumerate(max_depths) if d > 0]
+        if len(live) < len(batch):
+            trees = [TokenTree(seq[-1]) for seq in tokens]
+            if live:
+                drafted = self.draft([batch[b] for b in live], [tokens[b] for b in live],
+                                     [max_depths[b] for b in live])  # fmt: skip
+                for b, tree in zip(live, drafted):
+                    trees[b] = tree
+            return trees
         dev = self.kv.k[0].device
         B = len(batch)
         row_ids = [r.row for r in batch]
@@ -141,14 +152,19 @@ class Speculator:
 
     def commit(self, batch: list, prefix: list[int], paths: list[list[int]], trees: list[TokenTree],
                max_depths: list[int]) -> None:  # fmt: skip
-        """Keep the accepted nodes the SSM has K/V for (all but leaves at its last depth)."""
-        kept = [[n for n in path if trees[b].depths[n] < min(self.tree.depth, max_depths[b])]
-                for b, path in enumerate(paths)]  # fmt: skip
+        """Keep the accepted nodes the SSM has K/V for (all but leaves at its last depth).
+        Requests it skipped (depth 0) keep what they had."""
+        live = [b for b, d in enumerate(max_depths) if d > 0]
+        if not live:
+            return
+        rows, starts = [batch[b].row for b in live], [prefix[b] for b in live]
+        kept = [[n for n in paths[b] if trees[b].depths[n] < min(self.tree.depth, max_depths[b])]
+                for b in live]  # fmt: skip
         dev = self.kv.k[0].device
-        ops.kv_commit(self.kv.k + self.kv.v, torch.tensor([r.row for r in batch], device=dev),
-                      torch.tensor(prefix, device=dev), _pad(kept, -1, dev))  # fmt: skip
-        for r, p, k in zip(batch, prefix, kept):
-            self.cached[r.row] = p + len(k)
+        ops.kv_commit(self.kv.k + self.kv.v, torch.tensor(rows, device=dev),
+                      torch.tensor(starts, device=dev), _pad(kept, -1, dev))  # fmt: skip
+        for row, start, k in zip(rows, starts, kept):
+            self.cached[row] = start + len(k)
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -197,13 +213,19 @@ class Speculator:
         ancestors[b, nodes, nodes] = True
 
     def _last_hidden(self, rows, pending: list[list[int]], cached: list[int]) -> torch.Tensor:
-        """Hidden state [B, H] after each request's pending tokens. Chains no longer than a tree
-        path run together; a longer one (a new request's prompt) runs alone, since padding the
-        others to its length could write past the end of their cache rows."""
-        short = [b for b, p in enumerate(pending) if len(p) <= self.tree.depth + 1]
-        groups = ([short] if short else []) + [[b] for b in range(len(pending)) if b not in short]
+        """Hidden state [B, H] after each request's pending tokens. Chains run together, padded
+        to the longest, when that fits in each one's cache row after its cached tokens and the
+        padding at most doubles their work (or they are all short, as a step's are): a new
+        request's prompt runs apart from the one or two tokens of the others."""
         last = [None] * len(pending)
-        for group in groups:
+        order = sorted(range(len(pending)), key=lambda b: -len(pending[b]))
+        short = self.tree.depth + 1
+        while order:
+            width = len(pending[order[0]])
+            group = [b for b in order if cached[b] + width <= self.kv.max_seq_len
+                     and (2 * len(pending[b]) >= width or width <= short)]  # fmt: skip
+            group = group or order[:1]
+            order = [b for b in order if b not in group]
             hidden = self._forward(
                 rows[group], [pending[b] for b in group], [cached[b] for b in group]
             )

@@ -12,6 +12,7 @@ import time
 import torch
 
 from specinfer import ops, verify
+from specinfer.budget import must_draft
 from specinfer.engine.model_runner import ModelRunner, _pad
 from specinfer.engine.sequence import Sequence
 from specinfer.sampling import probabilities
@@ -26,9 +27,14 @@ def speculative_step(seqs: list[Sequence], kv, runner: ModelRunner, drafter, bud
     tokens = [s.prompt_ids + s.output_ids for s in seqs]
     # No point speculating past what the request may still generate.
     max_depths = [s.max_len - len(seq) - 1 for s, seq in zip(seqs, tokens)]
+    n = len(drafter.ssms)
+    run = budget.drafts(n) if budget else frozenset(range(n))
+    # Per SSM, each request's depth; 0 (no draft) where the budget leaves that SSM out.
+    depths = [[d if i in run or must_draft(s.params) else 0 for s, d in zip(seqs, max_depths)]
+              for i in range(n)]  # fmt: skip
     t0 = time.perf_counter()
-    trees = drafter.draft(seqs, tokens, max_depths)
-    if budget:
+    trees = drafter.draft(seqs, tokens, depths)
+    if budget and run:
         trees = drafter.keep(budget.choose(trees, [s.params for s in seqs]))
     t1 = time.perf_counter()
     logits = runner.tree(kv, seqs, trees)
@@ -40,7 +46,7 @@ def speculative_step(seqs: list[Sequence], kv, runner: ModelRunner, drafter, bud
     prefix = [len(seq) - 1 for seq in tokens]
     rows = torch.tensor([s.row for s in seqs], device=dev)
     ops.kv_commit(kv.k + kv.v, rows, torch.tensor(prefix, device=dev), _pad(paths, -1, dev))
-    drafter.commit(seqs, prefix, paths, max_depths)
+    drafter.commit(seqs, prefix, paths)
     t4 = time.perf_counter()
     if budget:
         budget.observe(trees, paths)
