@@ -308,6 +308,32 @@ def test_greedy_with_cut_trees_equals_incremental(tiny_pair, ssm, device):
     assert nodes[True] < nodes[False] and engine.budget.cut > 0
 
 
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_max_tree_nodes_caps_every_verified_tree_and_stays_exact(tiny_pair, adaptive):
+    target, other = tiny_pair
+    prompts = [PROMPT, [3], [5, 5, 1, 0, 2, 4, 4], [2, 3]]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    reference = Engine(target, dtype="float32").generate(prompts, params)
+    engine = Engine(target, dtype="float32", ssm=[target, "ngram"], tree="2,2,1",
+                    max_tree_nodes=3, adaptive_tree=adaptive, max_batch_size=3)  # fmt: skip
+    widths, forward = [], engine.runner.tree
+
+    def tree_forward(kv, seqs, trees):
+        widths.extend(len(t) for t in trees)
+        return forward(kv, seqs, trees)
+
+    engine.runner.tree = tree_forward
+    outs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    assert max(widths) == 3  # drafted trees have up to 1 + 10 + 5 nodes
+    assert sum(o.metrics["accepted_per_depth"][0] for o in outs) > 0
+    with pytest.raises(ValueError, match="max_tree_nodes must be an integer >= 1"):
+        Engine(target, dtype="float32", ssm=other, max_tree_nodes=0)
+    with pytest.raises(ValueError, match="sampled children"):
+        Engine(target, dtype="float32", ssm=other, max_tree_nodes=3,
+               tree=TreeConfig((2, 2), sample_children=True))  # fmt: skip
+
+
 class Rotating(TreeBudget):
     """Drafts with every set of drafters in turn (all, ..., none) and keeps whole trees: each
     SSM skips steps and catches up."""

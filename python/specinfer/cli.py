@@ -77,6 +77,12 @@ def main(argv: list[str] | None = None) -> int:
         help="verify every drafted node (default: only the part of each tree worth its cost in "
         "the target forward, learned while decoding; lossless either way)",
     )
+    gen.add_argument(
+        "--max-tree-nodes",
+        type=int,
+        default=None,
+        help="verify at most N nodes of a request's tree a step, root included (default: no cap)",
+    )
     gen.add_argument("--stats", action="store_true", help="print decoding statistics to stderr")
     gen.add_argument(
         "--chat",
@@ -160,6 +166,9 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument(
         "--whole-trees", action="store_true", help="verify every drafted node (as for generate)"
     )
+    serve.add_argument(
+        "--max-tree-nodes", type=int, default=None, help="as for generate (default: no cap)"
+    )
     serve.add_argument("--max-batch-size", type=int, default=16, help="requests run at once")
     serve.add_argument(
         "--max-model-len",
@@ -211,7 +220,8 @@ def engine_from_args(args, **serving):
         ssm = ["default", "ngram"] if ships_an_ssm(args.model) else ["ngram"]
     return Engine(args.model, dtype=args.dtype, device=args.device, threads=args.threads,
                   ssm=ssm, tree=args.tree, mode=args.mode, ssm_head=args.ssm_head,
-                  adaptive_tree=not args.whole_trees, **serving)  # fmt: skip
+                  adaptive_tree=not args.whole_trees, max_tree_nodes=args.max_tree_nodes,
+                  **serving)  # fmt: skip
 
 
 def _format_stats(m: dict) -> str:

@@ -88,6 +88,8 @@ class _Index:
 class NgramDrafter:
     """Drafts from each request's own tokens; same draft/commit interface as the Speculator."""
 
+    samples_children = False  # its proposals are point masses
+
     def __init__(self, config: NgramConfig, name: str = "ngram"):
         self.config = config
         self.name = name

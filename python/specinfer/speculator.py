@@ -59,6 +59,11 @@ class Speculator:
     def num_nodes(self) -> int:
         return self.tree.num_nodes
 
+    @property
+    def samples_children(self) -> bool:
+        """Whether sampling requests' trees get sampled children (which must stay whole)."""
+        return self.tree.sample_children
+
     def restrict_head(self, token_ids: list[int] | None) -> None:
         """Compute logits only for these tokens (None: the whole vocabulary). The head's rows
         are gathered once; on a small model the full head is most of a step's cost.

@@ -56,6 +56,7 @@ class Engine:
         verifier: str = "mss",
         ssm_head: int | None = None,
         adaptive_tree: bool = True,
+        max_tree_nodes: int | None = None,
     ):
         """mode: "incremental" (no SSM), "sequence" (chains as deep as the trees) or "tree"
         (default when an SSM is given). ssm: a model path sharing the target's tokenizer, an
@@ -66,6 +67,9 @@ class Engine:
         "mss" (multi-step speculative sampling) or "naive" (the ablation) for sampling.
         adaptive_tree: verify only the part of each drafted tree that pays for its rows in the
         target forward (see budget.TreeBudget; lossless); False verifies the whole tree.
+        max_tree_nodes: at most this many nodes (root included) of a request's merged tree are
+        verified, the first in drafting order (default: no cap); trees with sampled children
+        cannot be cut losslessly, so SSMs that sample children must fit whole.
 
         Serving: max_batch_size requests run at once (one KV row each); max_model_len caps a
         request's prompt + output (default: the model's context, at most 2048); kv_budget (in
@@ -105,6 +109,7 @@ class Engine:
             self.drafter = build_drafter(ssm, tree, self.model, path, self.dtype, self.device,
                                          ssm_head, chains=self.mode == "sequence")  # fmt: skip
             self.budget = TreeBudget() if adaptive_tree else None
+        self.max_tree_nodes = _max_tree_nodes(max_tree_nodes, self.drafter)
         self.context = self.config.max_position_embeddings
         self.max_model_len = _max_model_len(max_model_len, self.context)
         # Room after the longest request for a tree (and the padding of batched levels).
@@ -186,8 +191,8 @@ class Engine:
                 for s in plan.decode:
                     s.metrics["target_s"] += time.perf_counter() - t0
             else:
-                new, trees = speculative_step(plan.decode, self.kv.kv, self.runner,
-                                              self.drafter, self.budget, self.verifier)  # fmt: skip
+                new, trees = speculative_step(plan.decode, self.kv.kv, self.runner, self.drafter,
+                                              self.budget, self.verifier, self.max_tree_nodes)  # fmt: skip
                 self._count_speculation(trees, new)
             for s, tokens in zip(plan.decode, new):
                 s.metrics["steps"] += 1
@@ -358,6 +363,21 @@ def _max_model_len(value: int | None, context: int) -> int:
     return value
 
 
+def _max_tree_nodes(cap, drafter) -> int | None:
+    if cap is None:
+        return None
+    if not isinstance(cap, int) or isinstance(cap, bool) or cap < 1:
+        raise ValueError(f"max_tree_nodes must be an integer >= 1 (the root counts), got {cap!r}")
+    sampling = [s.name for s in drafter.ssms if s.samples_children] if drafter else []
+    if sampling and drafter.num_nodes > cap:
+        raise ValueError(
+            f"max_tree_nodes={cap} would cut trees with sampled children ({', '.join(sampling)}), "
+            f"which cannot be cut losslessly: their merged trees have up to {drafter.num_nodes} "
+            "nodes; give a smaller tree config or a larger max_tree_nodes"
+        )
+    return cap
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     """ "auto" is bfloat16: decode is memory-bound, and our CPU linear kernel reads bf16 weights
     (half the bytes of fp32) on any AVX2 machine; use float32 for bit-level comparisons."""
@@ -380,9 +400,11 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
             )
         chosen = names[dtype]
     if chosen not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"unsupported dtype {chosen}; use float32 or bfloat16 (float16 on CUDA)")
+        raise ValueError(
+            f"unsupported dtype {chosen}; use dtype float32 or bfloat16 (float16 on CUDA)"
+        )
     if chosen == torch.float16 and device.type == "cpu":
-        raise ValueError("float16 is not supported on the CPU; use bfloat16 or float32")
+        raise ValueError("dtype float16 is not supported on the CPU; use dtype bfloat16 or float32")
     return chosen
 
 

@@ -20,9 +20,11 @@ from specinfer.tree import TokenTree
 
 
 def speculative_step(seqs: list[Sequence], kv, runner: ModelRunner, drafter, budget,
-                     verifier: str) -> tuple[list[list[int]], list[TokenTree]]:  # fmt: skip
+                     verifier: str, max_nodes: int | None = None,
+                     ) -> tuple[list[list[int]], list[TokenTree]]:  # fmt: skip
     """Each sequence's new tokens (its accepted path's tokens, then the target's next one) and
-    the tree that was verified."""
+    the tree that was verified (at most `max_nodes` of each drafted tree: the first ids, which
+    keep every node's parent)."""
     dev = runner.device
     tokens = [s.prompt_ids + s.output_ids for s in seqs]
     # No point speculating past what the request may still generate.
@@ -34,6 +36,8 @@ def speculative_step(seqs: list[Sequence], kv, runner: ModelRunner, drafter, bud
               for i in range(n)]  # fmt: skip
     t0 = time.perf_counter()
     trees = drafter.draft(seqs, tokens, depths)
+    if max_nodes is not None and any(len(t) > max_nodes for t in trees):
+        trees = drafter.keep([list(range(min(len(t), max_nodes))) for t in trees])
     if budget and run:
         trees = drafter.keep(budget.choose(trees, [s.params for s in seqs]))
     t1 = time.perf_counter()
