@@ -158,7 +158,9 @@ def test_errors():
     caches = [torch.zeros(2, 2, 5, 64) for _ in range(2)]
     before = caches[0].clone()
     k = randn(1, 2, 2, 64)
-    with pytest.raises(ValueError, match=r"kv_write: slot 5 is outside the cache's \[0, 5\)"):
+    with pytest.raises(
+        ValueError, match=r"kv_write: slot 5 is outside the positions its cache rows hold \[0, 5\)"
+    ):
         ops.kv_write(*caches, k, k, torch.tensor([1]), torch.tensor([[4, 5]]))
     assert torch.equal(caches[0], before)  # checked before anything is written
     with pytest.raises(ValueError, match=r"kv_write: cache row 2 is outside \[0, 2\)"):

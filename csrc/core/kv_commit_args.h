@@ -12,16 +12,16 @@
 
 namespace specinfer {
 
-// Copy cache[row, :, src] to cache[row, :, dst] in every cache. Moves run in list order: a move's
-// source may be a later move's destination, never an earlier one's (accepted[b, a] >= a and both
-// increase), so copying in order reads every source before it is overwritten.
+// Copy cache[src_row, :, src] to cache[dst_row, :, dst] in every cache. Moves run in list order:
+// a move's source may be a later move's destination, never an earlier one's (accepted[b, a] >= a
+// and both increase), so copying in order reads every source before it is overwritten.
 struct KvMove {
-  int64_t row, src, dst;
+  int64_t src_row, src, dst_row, dst;
 };
 
 struct KvCommitArgs {
   std::vector<TensorView> caches;  // each [N, Hkv, S, D], one shape, dtype and device
-  TensorView cache_rows;           // [B] int32/int64
+  TensorView cache_rows;           // [B] int32/int64, or a block table [B, MB]
   TensorView prefix_lens;          // [B] int32/int64
   TensorView accepted;             // [B, A] int32/int64, -1 padded
 };
@@ -57,7 +57,10 @@ inline void check_kv_commit_args(const KvCommitArgs& a) {
     check_same_device(c, first, op, name.c_str(), "caches[0]");
     check_last_dim_contiguous(c, op, name.c_str());
   }
-  check_ndim(a.cache_rows, 1, op, "cache_rows", "[batch]");
+  if (a.cache_rows.ndim != 1 && a.cache_rows.ndim != 2) {
+    fail(op, "cache_rows must be [batch] (rows) or [batch, blocks] (a block table), got " +
+                 a.cache_rows.shape_str());
+  }
   check_ndim(a.prefix_lens, 1, op, "prefix_lens", "[batch]");
   check_ndim(a.accepted, 2, op, "accepted", "[batch, max_accepted]");
   const int64_t B = a.cache_rows.shape[0];
@@ -87,17 +90,23 @@ inline std::vector<KvMove> plan_kv_commit(const KvCommitArgs& a) {
     return acc.dtype == DType::kInt32 ? acc.ptr<const int32_t>()[off]
                                       : acc.ptr<const int64_t>()[off];
   };
-  std::vector<int64_t> rows(B);
+  const int64_t MB = a.cache_rows.ndim == 2 ? a.cache_rows.shape[1] : 1;
+  const std::vector<int64_t> table = host_indices(a.cache_rows);
+  std::vector<int64_t> rows;  // every row a request's commit reads or writes
   std::vector<KvMove> moves;
   for (int64_t b = 0; b < B; ++b) {
     const std::string at = "[" + std::to_string(b) + "]";
-    const int64_t row = index_at(a.cache_rows, b), prefix = index_at(a.prefix_lens, b);
-    if (row < 0 || row >= N) {
-      fail(op, "cache_rows" + at + " = " + std::to_string(row) + " is out of range [0, " +
-                   std::to_string(N) + ")");
-    }
+    const int64_t prefix = index_at(a.prefix_lens, b);
     if (prefix < 0) fail(op, "prefix_lens" + at + " = " + std::to_string(prefix) + " is negative");
-    rows[b] = row;
+    // Position p of request b: row table[b * MB + p / S], slot p % S.
+    const auto row_of = [&](int64_t p) {
+      const int64_t row = table[b * MB + p / S];
+      if (row < 0 || row >= N) {
+        fail(op, "cache_rows" + at + (MB > 1 ? "[" + std::to_string(p / S) + "]" : "") + " = " +
+                     std::to_string(row) + " is out of range [0, " + std::to_string(N) + ")");
+      }
+      return row;
+    };
     int64_t previous = -1;
     bool padding = false;
     for (int64_t i = 0; i < A; ++i) {
@@ -113,16 +122,25 @@ inline std::vector<KvMove> plan_kv_commit(const KvCommitArgs& a) {
         fail(op, where + " = " + std::to_string(node) +
                      " must be greater than the previous node (a root-to-node path in tree order)");
       }
-      if (prefix + node >= S) {
+      if (prefix + node >= MB * S) {
         fail(op, "prefix_lens" + at + " + " + where + " = " + std::to_string(prefix) + " + " +
-                     std::to_string(node) + " must be < " + std::to_string(S) +
-                     " (the cache's seq length)");
+                     std::to_string(node) + " must be < " + std::to_string(MB * S) +
+                     " (the positions its cache rows hold)");
       }
       previous = node;
-      if (node != i) moves.push_back({row, prefix + node, prefix + i});
+      if (node != i) {
+        const int64_t src = prefix + node, dst = prefix + i;
+        moves.push_back({row_of(src), src % S, row_of(dst), dst % S});
+      }
+    }
+    // The rows its moves touch: from its first moved slot to its last.
+    if (previous >= 0) {
+      for (int64_t blk = prefix / S; blk <= (prefix + previous) / S; ++blk) {
+        rows.push_back(row_of(blk * S < prefix ? prefix : blk * S));
+      }
     }
   }
-  // Two requests on one row would overwrite each other's slots.
+  // Two requests on one row (or block) would overwrite each other's slots.
   std::sort(rows.begin(), rows.end());
   const auto dup = std::adjacent_find(rows.begin(), rows.end());
   if (dup != rows.end()) fail(op, "cache_rows holds row " + std::to_string(*dup) + " twice");

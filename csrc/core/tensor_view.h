@@ -7,6 +7,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "core/dlpack.h"
 
@@ -187,6 +188,21 @@ inline void check_last_dim_contiguous(const TensorView& v, const std::string& op
 inline int64_t index_at(const TensorView& v, int64_t i) {
   return v.dtype == DType::kInt32 ? v.ptr<const int32_t>()[i * v.strides[0]]
                                   : v.ptr<const int64_t>()[i * v.strides[0]];
+}
+
+// Every element of a 1-D or 2-D int32/int64 host tensor, row-major, as int64.
+inline std::vector<int64_t> host_indices(const TensorView& v) {
+  const int64_t rows = v.ndim > 0 ? v.shape[0] : 1, cols = v.ndim == 2 ? v.shape[1] : 1;
+  const int64_t s0 = v.ndim > 0 ? v.strides[0] : 0, s1 = v.ndim == 2 ? v.strides[1] : 0;
+  std::vector<int64_t> out(rows * cols);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const int64_t off = r * s0 + c * s1;
+      out[r * cols + c] =
+          v.dtype == DType::kInt32 ? v.ptr<const int32_t>()[off] : v.ptr<const int64_t>()[off];
+    }
+  }
+  return out;
 }
 
 }  // namespace specinfer

@@ -14,7 +14,7 @@ struct TreeAttentionArgs {
   TensorView q;            // [B, T, Hq, D]
   TensorView k_cache;      // [N, Hkv, S, D]
   TensorView v_cache;      // [N, Hkv, S, D]
-  TensorView cache_rows;   // [B] int32/int64
+  TensorView cache_rows;   // [B] int32/int64, or a block table [B, MB] (see kv_locations)
   TensorView prefix_lens;  // [B] int32/int64
   TensorView tree_mask;    // [B, T, M] bool/uint8, M >= T
   TensorView out;          // [B, T, Hq, D]
@@ -30,6 +30,8 @@ struct TreeAttentionArgs {
   int64_t kv_heads() const { return k_cache.shape[1]; }
   int64_t seq_len() const { return k_cache.shape[2]; }
   int64_t group() const { return q_heads() / kv_heads(); }
+  // Cache rows per request: 1 (its row), or MB blocks of seq_len() positions each.
+  int64_t blocks_per_request() const { return cache_rows.ndim == 2 ? cache_rows.shape[1] : 1; }
 };
 
 // Shapes, dtypes, devices and strides; no tensor data is read.
@@ -38,7 +40,10 @@ inline void check_tree_attention_args(const TreeAttentionArgs& a) {
   check_ndim(a.q, 4, op, "q", "[batch, tokens, q_heads, head_dim]");
   check_ndim(a.k_cache, 4, op, "k_cache", "[rows, kv_heads, seq, head_dim]");
   check_ndim(a.v_cache, 4, op, "v_cache", "[rows, kv_heads, seq, head_dim]");
-  check_ndim(a.cache_rows, 1, op, "cache_rows", "[batch]");
+  if (a.cache_rows.ndim != 1 && a.cache_rows.ndim != 2) {
+    fail(op, "cache_rows must be [batch] (rows) or [batch, blocks] (a block table), got " +
+                 a.cache_rows.shape_str());
+  }
   check_ndim(a.prefix_lens, 1, op, "prefix_lens", "[batch]");
   check_ndim(a.tree_mask, 3, op, "tree_mask", "[batch, tokens, mask_cols]");
   check_ndim(a.out, 4, op, "out", "[batch, tokens, q_heads, head_dim]");
@@ -88,23 +93,28 @@ inline void check_tree_attention_args(const TreeAttentionArgs& a) {
   check_last_dim_contiguous(a.out, op, "out");
 }
 
-// Cache rows and prefix lengths (host copies) must address stored positions, and the mask must
-// not reach before the start of the cache.
+// Cache rows (host copies, row-major [B, blocks_per_request]) and prefix lengths must address
+// stored positions, and the mask must not reach before the start of the cache. Block table
+// entries past a request's last position are not read, so they may hold anything.
 inline void check_tree_attention_indices(const TreeAttentionArgs& a,
                                          const std::vector<int64_t>& rows,
                                          const std::vector<int64_t>& prefix) {
   const std::string op = "tree_attention";
   const int64_t T = a.tokens(), M = a.mask_cols(), S = a.seq_len(), N = a.cache_rows_count();
-  for (size_t b = 0; b < rows.size(); ++b) {
+  const int64_t MB = a.blocks_per_request();
+  for (size_t b = 0; b < prefix.size(); ++b) {
     const std::string at = "[" + std::to_string(b) + "]";
-    if (rows[b] < 0 || rows[b] >= N) {
-      fail(op, "cache_rows" + at + " = " + std::to_string(rows[b]) + " is out of range [0, " +
-                   std::to_string(N) + ")");
-    }
-    if (prefix[b] < 0 || prefix[b] + T > S) {
+    if (prefix[b] < 0 || prefix[b] + T > MB * S) {
       fail(op, "prefix_lens" + at + " + tokens = " + std::to_string(prefix[b]) + " + " +
-                   std::to_string(T) + " must be in [0, " + std::to_string(S) +
-                   "] (the cache's seq length)");
+                   std::to_string(T) + " must be in [0, " + std::to_string(MB * S) +
+                   "] (the positions its cache rows hold)");
+    }
+    for (int64_t i = 0; i * S < prefix[b] + T; ++i) {
+      const int64_t row = rows[b * MB + i];
+      if (row < 0 || row >= N) {
+        fail(op, "cache_rows" + at + (MB > 1 ? "[" + std::to_string(i) + "]" : "") + " = " +
+                     std::to_string(row) + " is out of range [0, " + std::to_string(N) + ")");
+      }
     }
     if (prefix[b] + T - M < 0) {
       fail(op, "prefix_lens" + at + " + tokens - mask_cols = " + std::to_string(prefix[b]) + " + " +

@@ -261,24 +261,32 @@ void kv_write_cpu(const TensorView& k_cache, const TensorView& v_cache, const Te
   check_size(k, 3, k_cache.shape[3], op, "k", "head_dim of the cache");
   check_index(cache_rows, op, "cache_rows");
   check_index(slots, op, "slots");
-  check_ndim(cache_rows, 1, op, "cache_rows", "[batch]");
+  if (cache_rows.ndim != 1 && cache_rows.ndim != 2) {
+    fail(op, "cache_rows must be [batch] (rows) or [batch, blocks] (a block table), got " +
+                 cache_rows.shape_str());
+  }
   check_size(cache_rows, 0, k.shape[0], op, "cache_rows", "batch of k");
   check_ndim(slots, 2, op, "slots", "[batch, tokens]");
   check_size(slots, 0, k.shape[0], op, "slots", "batch of k");
   check_size(slots, 1, k.shape[1], op, "slots", "tokens of k");
   const int64_t B = k.shape[0], T = k.shape[1], H = k.shape[2], D = k.shape[3];
+  const int64_t S = k_cache.shape[2], MB = cache_rows.ndim == 2 ? cache_rows.shape[1] : 1;
+  // Position `slots[b, t]` of request b: row cache_rows[b, pos / S] (or cache_rows[b]), slot pos % S.
+  std::vector<int64_t> rows(B * T), places(B * T);
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t row = index_value(cache_rows, b);
-    if (row < 0 || row >= k_cache.shape[0]) {
-      fail(op, "cache row " + std::to_string(row) + " is outside [0, " +
-                   std::to_string(k_cache.shape[0]) + ")");
-    }
     for (int64_t t = 0; t < T; ++t) {
-      const int64_t slot = index_value(slots, b * T + t);
-      if (slot < 0 || slot >= k_cache.shape[2]) {
-        fail(op, "slot " + std::to_string(slot) + " is outside the cache's [0, " +
-                     std::to_string(k_cache.shape[2]) + ")");
+      const int64_t pos = index_value(slots, b * T + t);
+      if (pos < 0 || pos >= MB * S) {
+        fail(op, "slot " + std::to_string(pos) + " is outside the positions its cache rows hold [0, " +
+                     std::to_string(MB * S) + ")");
       }
+      const int64_t row = index_value(cache_rows, b * MB + pos / S);
+      if (row < 0 || row >= k_cache.shape[0]) {
+        fail(op, "cache row " + std::to_string(row) + " is outside [0, " +
+                     std::to_string(k_cache.shape[0]) + ")");
+      }
+      rows[b * T + t] = row;
+      places[b * T + t] = pos % S;
     }
   }
   const int64_t elem = k.dtype == DType::kFloat32 ? 4 : 2;
@@ -287,9 +295,8 @@ void kv_write_cpu(const TensorView& k_cache, const TensorView& v_cache, const Te
            (i0 * t.strides[0] + i1 * t.strides[1] + i2 * t.strides[2]) * elem;
   };
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t row = index_value(cache_rows, b);
     for (int64_t t = 0; t < T; ++t) {
-      const int64_t slot = index_value(slots, b * T + t);
+      const int64_t row = rows[b * T + t], slot = places[b * T + t];
       for (int64_t h = 0; h < H; ++h) {
         std::memcpy(at(k_cache, row, h, slot), at(k, b, t, h), D * elem);
         std::memcpy(at(v_cache, row, h, slot), at(v, b, t, h), D * elem);

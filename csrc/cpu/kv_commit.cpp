@@ -13,9 +13,11 @@ void kv_commit_cpu(const std::vector<TensorView>& caches, const std::vector<KvMo
     auto* base = static_cast<char*>(c.data);
     for (const KvMove& m : moves) {
       for (int64_t h = 0; h < heads; ++h) {
-        char* head = base + (m.row * c.strides[0] + h * c.strides[1]) * int64_t(elem);
-        std::memmove(head + m.dst * c.strides[2] * int64_t(elem),
-                     head + m.src * c.strides[2] * int64_t(elem), bytes);
+        const auto at = [&](int64_t row, int64_t slot) {
+          return base + (row * c.strides[0] + h * c.strides[1] + slot * c.strides[2]) *
+                            int64_t(elem);
+        };
+        std::memmove(at(m.dst_row, m.dst), at(m.src_row, m.src), bytes);
       }
     }
   }

@@ -66,6 +66,8 @@ void run(const TreeAttentionArgs& a, const std::vector<int64_t>& rows,
   }
   p.cache_rows = rows.data();
   p.prefix_lens = prefix.data();
+  p.blocks_per_request = a.blocks_per_request();
+  p.block_len = a.seq_len();
   p.tokens = a.tokens();
   p.mask_cols = a.mask_cols();
   p.group = a.group();
@@ -125,11 +127,9 @@ void tree_attention_cpu(const TreeAttentionArgs& a) {
          std::string(dtype_name(a.q.dtype)) + " is not supported on cpu (use float32 or bfloat16)");
   }
   const int64_t B = a.batch();
-  std::vector<int64_t> rows(B), prefix(B);
-  for (int64_t b = 0; b < B; ++b) {
-    rows[b] = index_at(a.cache_rows, b);
-    prefix[b] = index_at(a.prefix_lens, b);
-  }
+  const std::vector<int64_t> rows = host_indices(a.cache_rows);
+  std::vector<int64_t> prefix(B);
+  for (int64_t b = 0; b < B; ++b) prefix[b] = index_at(a.prefix_lens, b);
   check_tree_attention_indices(a, rows, prefix);
   if (B == 0 || a.tokens() == 0 || a.q_heads() == 0) return;
   if (a.q.dtype == DType::kFloat32) {

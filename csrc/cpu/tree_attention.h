@@ -29,8 +29,9 @@ struct TreeAttentionProblem {
   int64_t mask_stride[3];
   T* out;  // [B, T, Hq, D]
   int64_t out_stride[3];
-  const int64_t* cache_rows;   // [B]
+  const int64_t* cache_rows;   // [B, blocks_per_request]: position p at row [b, p / block_len]
   const int64_t* prefix_lens;  // [B]
+  int64_t blocks_per_request, block_len;  // 1 and S for a row per request
   int64_t tokens, mask_cols, group, head_dim;
   float scale;
 };
@@ -132,14 +133,21 @@ SPECINFER_INLINE void attend_block(const TreeAttentionProblem<T>& p, int64_t b, 
   }
   const int64_t key_end = n + last_new + 1;
 
-  const int64_t row = p.cache_rows[b];
-  const T* kbase = p.k + row * p.k_stride[0] + h * p.k_stride[1];
-  const T* vbase = p.v + row * p.v_stride[0] + h * p.v_stride[1];
+  // Position pos of request b: its row (or block) and slot there.
+  const int64_t* rows = p.cache_rows + b * p.blocks_per_request;
+  const auto key = [&](int64_t pos) {
+    return p.k + rows[pos / p.block_len] * p.k_stride[0] + h * p.k_stride[1] +
+           (pos % p.block_len) * p.k_stride[2];
+  };
+  const auto value = [&](int64_t pos) {
+    return p.v + rows[pos / p.block_len] * p.v_stride[0] + h * p.v_stride[1] +
+           (pos % p.block_len) * p.v_stride[2];
+  };
   // Pass 1: every score (invisible keys -inf) and each row's maximum.
   for (int64_t k0 = 0; k0 < key_end; k0 += kKeyTile) {
     const int64_t kn = std::min(kKeyTile, key_end - k0);
     for (int64_t j = 0; j < kn; ++j)
-      load_scaled(kbase + (k0 + j) * p.k_stride[2], kv + j * D, D, 1.0f);
+      load_scaled(key(k0 + j), kv + j * D, D, 1.0f);
     // Always four keys at a time (past kn: stale rows of the tile, never read), so a key's score
     // does not depend on how many keys the block reads.
     for (int64_t r = 0; r < R; ++r) {
@@ -159,7 +167,7 @@ SPECINFER_INLINE void attend_block(const TreeAttentionProblem<T>& p, int64_t b, 
   for (int64_t k0 = 0; k0 < key_end; k0 += kKeyTile) {
     const int64_t kn = std::min(kKeyTile, key_end - k0);
     for (int64_t j = 0; j < kn; ++j)
-      load_scaled(vbase + (k0 + j) * p.v_stride[2], kv + j * D, D, 1.0f);
+      load_scaled(value(k0 + j), kv + j * D, D, 1.0f);
     for (int64_t r = 0; r < R; ++r) {
       if (m[r] == neg_inf) continue;  // a row that sees nothing
       float* sr = s + r * key_capacity + k0;

@@ -12,7 +12,8 @@ namespace {
 
 constexpr const char* kOp = "kv_commit";
 
-// table: per cache {data pointer, 3 strides in elements}, then per move {row, src, dst}.
+// table: per cache {data pointer, 3 strides in elements}, then per move
+// {src_row, src, dst_row, dst}.
 template <typename E>
 __global__ void kv_commit_kernel(const int64_t* table, int caches, int moves, int heads,
                                  int head_dim) {
@@ -22,9 +23,8 @@ __global__ void kv_commit_kernel(const int64_t* table, int caches, int moves, in
   const int64_t* info = table + 4 * c;
   E* col = reinterpret_cast<E*>(info[0]) + h * info[2] + d;
   const int64_t* move = table + 4 * int64_t(caches);
-  for (int m = 0; m < moves; ++m, move += 3) {
-    E* head = col + move[0] * info[1];
-    head[move[2] * info[3]] = head[move[1] * info[3]];
+  for (int m = 0; m < moves; ++m, move += 4) {
+    col[move[2] * info[1] + move[3] * info[3]] = col[move[0] * info[1] + move[1] * info[3]];
   }
 }
 
@@ -43,12 +43,12 @@ void kv_commit_cuda(const std::vector<TensorView>& caches, const std::vector<KvM
   DeviceGuard guard(first.device_id, kOp);
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   std::vector<int64_t> table;
-  table.reserve(4 * caches.size() + 3 * moves.size());
+  table.reserve(4 * caches.size() + 4 * moves.size());
   for (const TensorView& c : caches) {
     table.insert(table.end(), {int64_t(reinterpret_cast<uintptr_t>(c.data)), c.strides[0],
                                c.strides[1], c.strides[2]});
   }
-  for (const KvMove& m : moves) table.insert(table.end(), {m.row, m.src, m.dst});
+  for (const KvMove& m : moves) table.insert(table.end(), {m.src_row, m.src, m.dst_row, m.dst});
 
   void* device_table = nullptr;
   const size_t bytes = table.size() * sizeof(int64_t);

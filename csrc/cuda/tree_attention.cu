@@ -84,6 +84,7 @@ void tree_attention_cuda(const TreeAttentionArgs& a, uintptr_t stream_handle) {
   }
   DeviceGuard guard(a.q.device_id, kOp);
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  if (a.cache_rows.ndim != 1) fail(kOp, "block tables (2-D cache_rows) are not supported on cuda yet");
   check_tree_attention_indices(a, indices_to_host(a.cache_rows, stream),
                                indices_to_host(a.prefix_lens, stream));
   const int B = int(a.batch()), T = int(a.tokens());

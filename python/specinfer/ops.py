@@ -26,6 +26,16 @@ def refuse_while_recording(op: str) -> None:
         raise RecordingRefused(f"{op} would run in torch, which an OpGraph cannot record")
 
 
+def kv_locations(cache_rows: torch.Tensor, positions: torch.Tensor, seq_len: int):
+    """Where positions [B, L] of each request live in a cache [N, Hkv, S, D]: (rows, slots),
+    each [B, L]. cache_rows is [B] (request b owns row cache_rows[b]: position p at slot p) or
+    a block table [B, MB] (position p at row cache_rows[b, p // S], slot p % S: the rows are
+    blocks of S positions, handed out as a request grows)."""
+    if cache_rows.dim() == 1:
+        return cache_rows.view(-1, 1).expand_as(positions), positions
+    return cache_rows.gather(1, positions // seq_len), positions % seq_len
+
+
 def tree_attention_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -39,7 +49,8 @@ def tree_attention_reference(
 
     q:           [B, T, Hq, D]
     k/v_cache:   [N, Hkv, S, D], Hq a multiple of Hkv (GQA)
-    cache_rows:  [B] integer, the cache row of request b
+    cache_rows:  [B] integer, the cache row of request b, or a block table [B, MB] (see
+                 kv_locations)
     prefix_lens: [B] integer, committed tokens of request b; the T new tokens' K/V are
                  already stored at positions prefix_lens[b] .. prefix_lens[b] + T - 1
     tree_mask:   [B, T, M] bool, M >= T: covers the M cache slots s0 .. prefix_lens[b] + T - 1,
@@ -55,9 +66,11 @@ def tree_attention_reference(
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     out = torch.zeros_like(q)
     for b in range(B):
-        row, n = int(cache_rows[b]), int(prefix_lens[b])
-        k = k_cache[row, :, : n + T].float().repeat_interleave(Hq // Hkv, dim=0)  # [Hq, L, D]
-        v = v_cache[row, :, : n + T].float().repeat_interleave(Hq // Hkv, dim=0)
+        n = int(prefix_lens[b])
+        rows, slots = kv_locations(cache_rows[b : b + 1], torch.arange(n + T)[None], S)
+        # [L, Hkv, D] -> [Hq, L, D]
+        k = k_cache[rows[0], :, slots[0]].float().transpose(0, 1).repeat_interleave(Hq // Hkv, 0)
+        v = v_cache[rows[0], :, slots[0]].float().transpose(0, 1).repeat_interleave(Hq // Hkv, 0)
         visible = torch.cat(
             [torch.ones(T, n + T - M, dtype=torch.bool, device=q.device), tree_mask[b].bool()],
             dim=1,
@@ -66,7 +79,6 @@ def tree_attention_reference(
         scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows -> 0
         out[b] = torch.einsum("htl,hld->thd", probs, v).to(q.dtype)
-    del S
     return out
 
 
@@ -147,20 +159,25 @@ def kv_commit_reference(
     """Depth-first KV commit, in place: the accepted tree nodes' K/V move to consecutive slots.
 
     caches:      K and V of every layer, each [N, Hkv, S, D]
-    cache_rows:  [B] integer, the cache row of request b
+    cache_rows:  [B] integer, the cache row of request b, or a block table [B, MB] (see
+                 kv_locations)
     prefix_lens: [B] integer, slots before the tree; tree node i is stored at prefix_lens[b] + i
     accepted:    [B, A] integer, the accepted root-to-node path (node indices, increasing, parents
                  before children), -1 padded
     For a = 0, 1, ... while accepted[b, a] >= 0: slot prefix + accepted[b, a] is copied to slot
     prefix + a. Copying in order is safe: accepted[b, a] >= a, so no source is overwritten first.
     """
+    seq_len = caches[0].shape[2]
     for b in range(accepted.shape[0]):
-        row, n = int(cache_rows[b]), int(prefix_lens[b])
+        n = int(prefix_lens[b])
         for a, node in enumerate(accepted[b].tolist()):
             if node < 0:
                 break
+            where = torch.tensor([[n + node, n + a]])
+            (src_row, dst_row), (src, dst) = (x[0].tolist() for x in
+                                             kv_locations(cache_rows[b : b + 1], where, seq_len))  # fmt: skip
             for cache in caches:
-                cache[row, :, n + a] = cache[row, :, n + node]
+                cache[dst_row, :, dst] = cache[src_row, :, src]
 
 
 def kv_commit(
@@ -304,9 +321,9 @@ def kv_write_reference(
     cache_rows: torch.Tensor,
     slots: torch.Tensor,
 ) -> None:
-    """Stores k/v [B, T, kv_heads, D] into the caches [rows, kv_heads, seq, D] at row
-    cache_rows[b], sequence slot slots[b, t]."""
-    rows = cache_rows.view(-1, 1).expand_as(slots)
+    """Stores k/v [B, T, kv_heads, D] into the caches [rows, kv_heads, seq, D] at request b's
+    position slots[b, t] (cache_rows: its row [B] or block table [B, MB], see kv_locations)."""
+    rows, slots = kv_locations(cache_rows, slots, k_cache.shape[2])
     k_cache[rows, :, slots] = k.to(k_cache.dtype)
     v_cache[rows, :, slots] = v.to(v_cache.dtype)
 
