@@ -123,17 +123,29 @@ def test_bad_requests_are_refused_without_harm(tiny_pair):  # noqa: F811
     assert engine.stats()["generation_tokens_total"] == 5
 
 
-def test_kv_budget_limits_the_rows(tiny_pair):  # noqa: F811
-    engine = Engine(tiny_pair[0], dtype="float32", max_batch_size=8, max_model_len=64,
-                    kv_budget=3 * 64)  # fmt: skip
-    assert engine.max_batch_size == 3
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
-    for p in ([1], [2], [3], [4], [5]):
-        engine.add_request(p, params)
-    engine.step()
-    assert engine.stats()["running"] == 3 and engine.stats()["waiting"] == 2
-    while engine.has_unfinished():
-        engine.step()
+def test_a_short_kv_budget_makes_requests_wait_then_preempts_and_stays_exact(tiny_pair):  # noqa: F811
+    """5 requests whose prompts fit the pool together but whose outputs do not: the newest are
+    preempted (recomputed later, prompt and output), every output (greedy and seeded sampling)
+    equals the request run alone, incremental and speculative, and the pool ends empty."""
+    target = tiny_pair[0]
+    params = [SamplingParams(max_tokens=40, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0.9, seed=3, ignore_eos=True)]  # fmt: skip
+    prompts = [[1 + i % 5] * (3 + 4 * i) for i in range(5)]
+    for kwargs in ({}, {"ssm": [tiny_pair[1], "ngram"], "tree": "2,1"}):
+        alone = Engine(target, dtype="float32", **kwargs)  # a seed reproduces its config's output
+        expected = [alone.generate(p, params[i % 2])[0].token_ids for i, p in enumerate(prompts)]
+        engine = Engine(target, dtype="float32", max_batch_size=5, max_model_len=64,
+                        kv_budget=128, **kwargs)  # fmt: skip
+        ids = [engine.add_request(p, params[i % 2]) for i, p in enumerate(prompts)]
+        outs, waited = {}, False
+        while engine.has_unfinished():
+            waited |= engine.stats()["waiting"] > 0 and engine.stats()["running"] > 0
+            for out in engine.step():
+                outs.setdefault(out.request_id, []).extend(out.token_ids)
+            assert engine.stats()["kv_used_tokens"] <= engine.stats()["kv_capacity_tokens"]
+        assert [outs[i] for i in ids] == expected, kwargs
+        assert engine.stats()["preemptions_total"] > 0 and waited
+        assert engine.stats()["kv_used_tokens"] == 0 and engine.kv.num_free == 5
 
 
 def test_async_engine_serves_concurrent_requests(tiny_pair):  # noqa: F811

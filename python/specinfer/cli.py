@@ -180,7 +180,8 @@ def _add_serve_parser(sub) -> None:
         "--kv-budget",
         type=int,
         default=None,
-        help="KV cache size in tokens (default: max batch size x max model length)",
+        help="KV cache size in tokens; below max batch size x max model length, requests "
+        "wait or are preempted when it is full (default: that product)",
     )
     serve.add_argument(
         "--shutdown-timeout",

@@ -225,9 +225,11 @@ class Speculator:
         last = [None] * len(pending)
         order = sorted(range(len(pending)), key=lambda b: -len(pending[b]))
         short = self.tree.depth + 1
+        # Padding runs at positions past a chain's end: they must exist (cache, RoPE table).
+        end = min(self.kv.max_seq_len, self.model.config.max_position_embeddings)
         while order:
             width = len(pending[order[0]])
-            group = [b for b in order if cached[b] + width <= self.kv.max_seq_len
+            group = [b for b in order if cached[b] + width <= end
                      and (2 * len(pending[b]) >= width or width <= short)]  # fmt: skip
             group = group or order[:1]
             order = [b for b in order if b not in group]

@@ -19,7 +19,7 @@ import torch
 from specinfer.budget import TreeBudget
 from specinfer.default_model import default_model_path
 from specinfer.drafting import build_drafter
-from specinfer.engine.kv_manager import KVManager
+from specinfer.engine.kv_manager import BLOCK_LEN, KVManager
 from specinfer.engine.model_runner import ModelRunner
 from specinfer.engine.output import append_tokens
 from specinfer.engine.scheduler import Scheduler
@@ -71,11 +71,13 @@ class Engine:
         verified, the first in drafting order (default: no cap); trees with sampled children
         cannot be cut losslessly, so SSMs that sample children must fit whole.
 
-        Serving: max_batch_size requests run at once (one KV row each); max_model_len caps a
-        request's prompt + output (default: the model's context, at most 2048); kv_budget (in
-        tokens, default max_batch_size x max_model_len) caps the KV caches: fewer rows when it
-        is smaller; max_tokens_per_step caps the tokens a step runs (decoding requests count
-        one each, prompts fill the rest in chunks)."""
+        Serving: max_batch_size requests run at once; max_model_len caps a request's prompt +
+        output (default: the model's context, at most 2048); kv_budget (tokens of the target's
+        KV blocks, default: max_batch_size requests at max_model_len) caps what the running
+        requests hold together: a request waits until its prompt fits, and a running one is
+        preempted (recomputed later) when a block runs out (see scheduler.py); on CUDA it sets
+        how many rows of max_model_len there are. max_tokens_per_step caps the tokens a step
+        runs (decoding requests count one each, prompts fill the rest in chunks)."""
         if threads is not None:
             torch.set_num_threads(threads)
         for name, value in (("max_batch_size", max_batch_size),
@@ -114,19 +116,30 @@ class Engine:
         self.max_model_len = _max_model_len(max_model_len, self.context)
         # Room after the longest request for a tree (and the padding of batched levels).
         row_len = self.max_model_len + (2 * self.drafter.num_nodes if self.drafter else 0)
-        rows = max_batch_size
-        if kv_budget is not None:
-            if not isinstance(kv_budget, int) or kv_budget < row_len:
-                raise ValueError(
-                    f"kv_budget must be an integer number of tokens >= {row_len} (one request "
-                    f"of max_model_len={self.max_model_len} and its tree), got {kv_budget!r}"
-                )
-            rows = min(rows, kv_budget // row_len)
+        default_budget = kv_budget is None
+        if default_budget:
+            kv_budget = max_batch_size * row_len
+        elif not isinstance(kv_budget, int) or isinstance(kv_budget, bool) or kv_budget < row_len:
+            raise ValueError(
+                f"kv_budget must be an integer number of tokens >= {row_len} (one request "
+                f"of max_model_len={self.max_model_len} and its tree), got {kv_budget!r}"
+            )
+        if self.device.type == "cuda":  # its tree attention takes a row per sequence
+            rows = min(max_batch_size, kv_budget // row_len)
+            blocks, block_len = rows, row_len
+        else:
+            rows, block_len = max_batch_size, BLOCK_LEN
+            # By default every request fits at its longest: nothing is ever preempted.
+            per_request = -(-row_len // block_len)
+            blocks = rows * per_request if default_budget else kv_budget // block_len
         self.max_batch_size = rows
         self.runner = ModelRunner(self.model, self.device)
         self.run_model = self.runner.graphs
-        self.kv = KVManager(self.model, self.drafter, rows, row_len)
-        self.scheduler = Scheduler(self.kv, max_tokens_per_step)
+        self.kv = KVManager(self.model, self.drafter, rows, row_len, blocks, block_len, self.device)
+        # Positions a decode step may write: the widest tree it verifies.
+        lookahead = self.drafter.num_nodes if self.drafter else 1
+        lookahead = min(lookahead, self.max_tree_nodes or lookahead)
+        self.scheduler = Scheduler(self.kv, max_tokens_per_step, lookahead)
         self._ids = itertools.count()
         self._deltas: dict[str, list[str]] = {}  # request id -> text not yet taken by stream()
         self.counters = dict.fromkeys(COUNTERS, 0)
@@ -165,7 +178,7 @@ class Engine:
         self.counters["prompt_tokens_total"] += len(seq.prompt_ids)
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request now and free its rows; False if it is not queued or running."""
+        """Stop a request now and free its KV; False if it is not queued or running."""
         seq = self.scheduler.find(request_id)
         if seq is None:
             return False
@@ -186,12 +199,12 @@ class Engine:
         if plan.decode:
             if self.drafter is None:
                 t0 = time.perf_counter()
-                logits = self.runner.decode(self.kv.kv, plan.decode)
+                logits = self.runner.decode(self.kv, plan.decode)
                 new = [[self._next_token(s, lg)] for s, lg in zip(plan.decode, logits)]
                 for s in plan.decode:
                     s.metrics["target_s"] += time.perf_counter() - t0
             else:
-                new, trees = speculative_step(plan.decode, self.kv.kv, self.runner, self.drafter,
+                new, trees = speculative_step(plan.decode, self.kv, self.runner, self.drafter,
                                               self.budget, self.verifier, self.max_tree_nodes)  # fmt: skip
                 self._count_speculation(trees, new)
             for s, tokens in zip(plan.decode, new):
@@ -199,10 +212,10 @@ class Engine:
                 outputs.append(self._append(s, tokens))
         if plan.prefill:
             t0 = time.perf_counter()
-            logits = self.runner.prefill(self.kv.kv, plan.prefill)
+            logits = self.runner.prefill(self.kv, plan.prefill)
             for (s, _), lg in zip(plan.prefill, logits):
                 s.metrics["prefill_s"] += time.perf_counter() - t0
-                if lg is not None:  # the prompt is cached: its first token
+                if lg is not None and not s.output_ids:  # the prompt is cached: its first token
                     outputs.append(self._append(s, [self._next_token(s, lg)]))
         return outputs
 
@@ -213,8 +226,9 @@ class Engine:
             "spec_accepted_per_depth": list(self.counters["spec_accepted_per_depth"]),
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
+            "preemptions_total": self.scheduler.preemptions,
             "kv_used_tokens": self.kv.used_tokens(),
-            "kv_capacity_tokens": self.kv.rows * self.max_model_len,
+            "kv_capacity_tokens": self.kv.num_blocks * self.kv.block_len,
         }
 
     # -- offline API: loops over the serving API ------------------------------------------------

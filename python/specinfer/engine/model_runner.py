@@ -20,6 +20,7 @@ class ModelRunner:
     def __init__(self, model: nn.Module, device: torch.device):
         self.model, self.device = model, device
         self.graphs = GraphRunner(model)
+        self.max_positions = model.config.max_position_embeddings
 
     def prefill(self, kv, chunks: list[tuple[Sequence, int]]) -> list[torch.Tensor | None]:
         """Run the next n prompt tokens of each (sequence, n); per chunk, the logits after it
@@ -30,11 +31,13 @@ class ModelRunner:
         order = sorted(range(len(chunks)), key=lambda i: -chunks[i][1])
         while order:
             width = chunks[order[0]][1]
-            group = [i for i in order if chunks[i][0].num_computed + width <= kv.max_seq_len]
+            # Padding runs at positions past a chunk's end: they must exist (cache, RoPE table).
+            end = min(kv.capacity, self.max_positions)
+            group = [i for i in order if chunks[i][0].num_computed + width <= end]
             group = group or order[:1]
             order = [i for i in order if i not in group]
             seqs = [chunks[i][0] for i in group]
-            ids = [s.prompt_ids[s.num_computed : s.num_computed + chunks[i][1]]
+            ids = [s.prefill_ids[s.num_computed : s.num_computed + chunks[i][1]]
                    for s, i in zip(seqs, group)]  # fmt: skip
             logits = self.forward_chains(kv, seqs, ids, [s.num_computed for s in seqs])
             for s, i, chain, lg in zip(seqs, group, ids, logits):
@@ -59,9 +62,8 @@ class ModelRunner:
         )
         prefix_t = torch.tensor(prefix)
         positions = prefix_t[:, None] + steps
-        hidden = self.graphs(_pad(chains, 0, dev), positions.to(dev), kv,
-                             torch.tensor([s.row for s in seqs], device=dev), prefix_t.to(dev),
-                             mask.to(dev))  # fmt: skip
+        hidden = self.graphs(_pad(chains, 0, dev), positions.to(dev), kv.kv, kv.table(seqs),
+                             prefix_t.to(dev), mask.to(dev))  # fmt: skip
         last = hidden[torch.arange(len(chains), device=dev), (lengths - 1).to(dev)]
         return self.model.compute_logits(last)
 
@@ -82,8 +84,7 @@ class ModelRunner:
         positions = [[p + d for d in tree.depths] + [p] * (T - len(tree))
                      for p, tree in zip(prefix, trees)]  # fmt: skip
         hidden = self.graphs(_pad([tree.tokens for tree in trees], 0, dev),
-                             torch.tensor(positions, device=dev), kv,
-                             torch.tensor([s.row for s in seqs], device=dev),
+                             torch.tensor(positions, device=dev), kv.kv, kv.table(seqs),
                              torch.tensor(prefix, device=dev), mask.to(dev))  # fmt: skip
         return self.model.compute_logits(hidden)
 

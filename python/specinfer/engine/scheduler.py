@@ -3,8 +3,14 @@
 Each step decodes every running sequence whose prompt is cached, and spends what is left of the
 step's token budget (`max_tokens_per_step`, one token per decoding sequence) on prompts: first
 those already being prefilled, oldest first, then waiting requests in arrival order, each as soon
-as a cache row is free. A long prompt is prefilled in chunks over several steps, so it never
-stalls the others' decoding for more than one chunk.
+as a row and KV blocks for its prompt are free. A long prompt is prefilled in chunks over
+several steps, so it never stalls the others' decoding for more than one chunk.
+
+Each decoding sequence first gets KV blocks for the step's tokens (its newest token and a tree of
+up to `lookahead` nodes). When the pool is short, the most recently admitted other sequence is
+preempted: its blocks and row go back, and it waits at the head of the queue to be prefilled
+again, prompt and output, when there is room (vLLM's recompute preemption). Its output so far
+is kept, so what it streams is unchanged.
 """
 
 from __future__ import annotations
@@ -23,9 +29,11 @@ class Plan:
 
 
 class Scheduler:
-    def __init__(self, kv: KVManager, max_tokens_per_step: int):
+    def __init__(self, kv: KVManager, max_tokens_per_step: int, lookahead: int = 1):
         self.kv = kv
         self.max_tokens_per_step = max_tokens_per_step
+        self.lookahead = lookahead  # positions a decode step may write: the widest tree
+        self.preemptions = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -36,21 +44,38 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> Plan:
+        for seq in [s for s in self.running if s.prefilled]:  # oldest first
+            while seq in self.running and not self.kv.reserve(
+                seq, seq.num_tokens - 1 + self.lookahead
+            ):
+                self._preempt(self.running[-1])  # the newest, which may be seq itself
         plan = Plan(decode=[s for s in self.running if s.prefilled])
         budget = max(1, self.max_tokens_per_step - len(plan.decode))
         for seq in self.running:
             if not seq.prefilled and budget > 0:
-                n = min(budget, len(seq.prompt_ids) - seq.num_computed)
+                n = min(budget, len(seq.prefill_ids) - seq.num_computed)
                 plan.prefill.append((seq, n))
                 budget -= n
-        while self.waiting and budget > 0 and self.kv.allocate(self.waiting[0]):
-            seq = self.waiting.popleft()
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if not self.kv.allocate(seq, len(seq.prefill_ids) + self.lookahead):
+                break
+            self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
-            n = min(budget, len(seq.prompt_ids))
+            n = min(budget, len(seq.prefill_ids))
             plan.prefill.append((seq, n))
             budget -= n
         return plan
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        self.running.remove(seq)
+        seq.status, seq.num_computed = Status.WAITING, 0
+        seq.prefill_len = seq.num_tokens - 1  # all but its newest token, which decoding feeds
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
         """The sequence is done (finished or aborted): its rows go back at once."""

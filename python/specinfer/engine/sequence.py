@@ -53,8 +53,11 @@ class Sequence:
         self.generator = make_generator(params.seed, device)
         self.penalties = Penalties(params, prompt_ids, vocab_size)
         self.status = Status.WAITING
-        self.row = -1
-        self.num_computed = 0  # prompt tokens whose K/V are in the cache (chunked prefill)
+        self.row = -1  # its row in the SSMs' caches
+        self.blocks: list[int] = []  # its blocks of the target's cache
+        self.num_computed = 0  # prefill tokens whose K/V are in the cache (chunked prefill)
+        self.prefill_len = len(prompt_ids)  # tokens a prefill feeds (more after a preemption)
+        self.preemptions = 0
         self.output_ids: list[int] = []
         self.text = ""
         self.finish_reason: str | None = None
@@ -69,8 +72,14 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def prefill_ids(self) -> list[int]:
+        """What a prefill feeds: the prompt, and after a preemption the output too, but its
+        newest token (which the next decode step feeds)."""
+        return (self.prompt_ids + self.output_ids)[: self.prefill_len]
+
+    @property
     def prefilled(self) -> bool:
-        return self.num_computed >= len(self.prompt_ids)
+        return self.num_computed >= self.prefill_len
 
     @property
     def finished(self) -> bool:

@@ -48,8 +48,8 @@ def speculative_step(seqs: list[Sequence], kv, runner: ModelRunner, drafter, bud
     paths = [path for path, _ in verified]
     t3 = time.perf_counter()
     prefix = [len(seq) - 1 for seq in tokens]
-    rows = torch.tensor([s.row for s in seqs], device=dev)
-    ops.kv_commit(kv.k + kv.v, rows, torch.tensor(prefix, device=dev), _pad(paths, -1, dev))
+    ops.kv_commit(kv.kv.k + kv.kv.v, kv.table(seqs), torch.tensor(prefix, device=dev),
+                  _pad(paths, -1, dev))  # fmt: skip
     drafter.commit(seqs, prefix, paths)
     t4 = time.perf_counter()
     if budget:
