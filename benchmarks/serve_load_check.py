@@ -5,6 +5,10 @@ may run or wait, the KV cache must be empty, and the server's memory must be bac
 after warm-up.
 
     python benchmarks/serve_load_check.py --requests 300 --rates 2 4 8 --disconnect-every 10
+                                          [--kv-budget TOKENS]
+
+--kv-budget gives the server a KV budget below what its requests can hold together, so requests
+wait and are preempted; the offline outputs they must equal are computed without one.
 
 Writes benchmarks/results/serve_load.json; exits 1 if any check fails.
 """
@@ -118,9 +122,11 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, nargs="+", default=[8, 16, 32])
     ap.add_argument("--prompts-file", default=str(DEFAULT_PROMPTS))
     ap.add_argument("--request-timeout", type=float, default=600.0)
+    ap.add_argument("--kv-budget", type=int, default=None, help="the server's KV budget (tokens)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/serve_load.json"))
     args = ap.parse_args()
-    args.server_args, args.startup_timeout, args.stop_timeout = "", 300.0, 30.0
+    args.server_args = f"--kv-budget {args.kv_budget}" if args.kv_budget else ""
+    args.startup_timeout, args.stop_timeout = 300.0, 30.0
     prompts, source = load_prompts(args.prompts_file)
     rng = random.Random(0)
     lengths = [rng.choice(args.max_tokens) for _ in range(args.requests)]
@@ -168,9 +174,12 @@ def main() -> int:
             print(f"rate {rate:g}/s: {len(indices)} requests in {seconds:.0f} s: {counts}, "
                   f"after: {idle}, server RSS {run['rss_mb']:.0f} MB (warm {rss_warm:.0f})")  # fmt: skip
         result["rss_mb_after_warmup"] = round(rss_warm, 1)
-        result["aborts_counted"] = scrape(url).get(
+        counters = scrape(url)
+        result["aborts_counted"] = counters.get(
             P + 'requests_finished_total{finished_reason="abort"}'
         )
+        result["kv_budget"] = args.kv_budget
+        result["preemptions"] = counters.get(P + "num_preemptions_total")
     result["server"] = info
     growth = result["runs"][-1]["rss_mb"] - rss_warm
     result["rss_growth_mb"] = round(growth, 1)
@@ -178,7 +187,8 @@ def main() -> int:
         failures.append(f"server memory grew {growth:.0f} MB over {rss_warm:.0f} MB after warm-up")
     result["failures"] = failures
     save(result, args.out, plot)
-    print(f"aborted (server's count): {result['aborts_counted']}; RSS growth {growth:+.0f} MB")
+    print(f"aborted (server's count): {result['aborts_counted']}; preempted: "
+          f"{result['preemptions']}; RSS growth {growth:+.0f} MB")  # fmt: skip
     print("FAILED:\n  " + "\n  ".join(failures[:20]) if failures else "all checks passed")
     return 1 if failures else 0
 
