@@ -57,10 +57,7 @@ inline void check_kv_commit_args(const KvCommitArgs& a) {
     check_same_device(c, first, op, name.c_str(), "caches[0]");
     check_last_dim_contiguous(c, op, name.c_str());
   }
-  if (a.cache_rows.ndim != 1 && a.cache_rows.ndim != 2) {
-    fail(op, "cache_rows must be [batch] (rows) or [batch, blocks] (a block table), got " +
-                 a.cache_rows.shape_str());
-  }
+  check_cache_rows(a.cache_rows, op);
   check_ndim(a.prefix_lens, 1, op, "prefix_lens", "[batch]");
   check_ndim(a.accepted, 2, op, "accepted", "[batch, max_accepted]");
   const int64_t B = a.cache_rows.shape[0];

@@ -190,6 +190,14 @@ inline int64_t index_at(const TensorView& v, int64_t i) {
                                   : v.ptr<const int64_t>()[i * v.strides[0]];
 }
 
+// A KV op's cache_rows: a row per request [B], or a block table [B, MB] (see kv_locations).
+inline void check_cache_rows(const TensorView& v, const std::string& op) {
+  if (v.ndim != 1 && v.ndim != 2) {
+    fail(op, "cache_rows must be [batch] (rows) or [batch, blocks] (a block table), got " +
+                 v.shape_str());
+  }
+}
+
 // Every element of a 1-D or 2-D int32/int64 host tensor, row-major, as int64.
 inline std::vector<int64_t> host_indices(const TensorView& v) {
   const int64_t rows = v.ndim > 0 ? v.shape[0] : 1, cols = v.ndim == 2 ? v.shape[1] : 1;

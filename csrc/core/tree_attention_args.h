@@ -40,10 +40,7 @@ inline void check_tree_attention_args(const TreeAttentionArgs& a) {
   check_ndim(a.q, 4, op, "q", "[batch, tokens, q_heads, head_dim]");
   check_ndim(a.k_cache, 4, op, "k_cache", "[rows, kv_heads, seq, head_dim]");
   check_ndim(a.v_cache, 4, op, "v_cache", "[rows, kv_heads, seq, head_dim]");
-  if (a.cache_rows.ndim != 1 && a.cache_rows.ndim != 2) {
-    fail(op, "cache_rows must be [batch] (rows) or [batch, blocks] (a block table), got " +
-                 a.cache_rows.shape_str());
-  }
+  check_cache_rows(a.cache_rows, op);
   check_ndim(a.prefix_lens, 1, op, "prefix_lens", "[batch]");
   check_ndim(a.tree_mask, 3, op, "tree_mask", "[batch, tokens, mask_cols]");
   check_ndim(a.out, 4, op, "out", "[batch, tokens, q_heads, head_dim]");

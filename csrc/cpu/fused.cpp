@@ -261,10 +261,7 @@ void kv_write_cpu(const TensorView& k_cache, const TensorView& v_cache, const Te
   check_size(k, 3, k_cache.shape[3], op, "k", "head_dim of the cache");
   check_index(cache_rows, op, "cache_rows");
   check_index(slots, op, "slots");
-  if (cache_rows.ndim != 1 && cache_rows.ndim != 2) {
-    fail(op, "cache_rows must be [batch] (rows) or [batch, blocks] (a block table), got " +
-                 cache_rows.shape_str());
-  }
+  check_cache_rows(cache_rows, op);
   check_size(cache_rows, 0, k.shape[0], op, "cache_rows", "batch of k");
   check_ndim(slots, 2, op, "slots", "[batch, tokens]");
   check_size(slots, 0, k.shape[0], op, "slots", "batch of k");

@@ -53,17 +53,17 @@ class Scheduler:
         budget = max(1, self.max_tokens_per_step - len(plan.decode))
         for seq in self.running:
             if not seq.prefilled and budget > 0:
-                n = min(budget, len(seq.prefill_ids) - seq.num_computed)
+                n = min(budget, seq.prefill_len - seq.num_computed)
                 plan.prefill.append((seq, n))
                 budget -= n
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if not self.kv.allocate(seq, len(seq.prefill_ids) + self.lookahead):
+            if not self.kv.allocate(seq, seq.prefill_len + self.lookahead):
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
-            n = min(budget, len(seq.prefill_ids))
+            n = min(budget, seq.prefill_len)
             plan.prefill.append((seq, n))
             budget -= n
         return plan
