@@ -227,18 +227,21 @@ def _smollm_prompts(n: int) -> list:
 @pytest.mark.parametrize("n, tokens", [(4, 32), pytest.param(20, 64, marks=pytest.mark.slow)])
 def test_smollm_greedy_with_penalties_is_bit_exact(smollm_gguf, n, tokens):
     """bfloat16 (bit-exact by construction, no near-tie allowance), the shipped SSM merged with
-    prompt lookup, cut trees: what `specinfer generate` runs, with penalties."""
+    prompt lookup: what `specinfer generate` runs, with penalties, but whole trees: at batch 4
+    the cost-aware cut may drop most nodes on a CPU, which would leave little to verify."""
     prompts = _smollm_prompts(n)
     params = SamplingParams(max_tokens=tokens, ignore_eos=True, repetition_penalty=1.1,
                             presence_penalty=0.3, frequency_penalty=0.2)  # fmt: skip
     reference = Engine(smollm_gguf, dtype="bfloat16", max_batch_size=4).generate(prompts, params)
-    spec = Engine(smollm_gguf, dtype="bfloat16", ssm=["default", "ngram"], max_batch_size=4)
+    spec = Engine(smollm_gguf, dtype="bfloat16", ssm=["default", "ngram"], max_batch_size=4,
+                  adaptive_tree=False)  # fmt: skip
     outs = spec.generate(prompts, params)
     same = sum(o.token_ids == r.token_ids for o, r in zip(outs, reference))
     steps = sum(o.metrics["steps"] for o in outs)
-    print(f"\n{n} prompts x {tokens}: {same} identical; "
-          f"{sum(len(o.token_ids) - 1 for o in outs) / steps:.2f} tokens/step")  # fmt: skip
+    tokens_per_step = sum(len(o.token_ids) - 1 for o in outs) / steps
+    print(f"\n{n} prompts x {tokens}: {same} identical; {tokens_per_step:.2f} tokens/step")
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    assert tokens_per_step > 1.1, "too little was accepted for this to test verification"
 
 
 def test_smollm_repetition_penalty_matches_transformers(smollm_gguf, tmp_path):

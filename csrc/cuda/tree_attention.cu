@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -11,30 +12,41 @@ namespace {
 
 constexpr const char* kOp = "tree_attention";
 
-// Copies a strided [B] index tensor from the device; the binding validates the values on the host.
+// Copies a strided [B] or [B, MB] index tensor from the device into a row-major host vector;
+// the binding validates the values on the host.
 std::vector<int64_t> indices_to_host(const TensorView& v, cudaStream_t stream) {
-  const int64_t n = v.shape[0];
+  const int64_t rows = v.shape[0], cols = v.ndim == 2 ? v.shape[1] : 1;
+  const int64_t row_stride = v.strides[0], col_stride = v.ndim == 2 ? v.strides[1] : 1;
   const size_t elem = v.dtype == DType::kInt64 ? 8 : 4;
-  std::vector<unsigned char> raw(n * elem);
+  std::vector<unsigned char> raw(rows * cols * elem);
   const auto* src = static_cast<const unsigned char*>(v.data);
-  const int64_t stride = v.strides[0];
-  if (n == 1 || stride == 1) {
-    check(cudaMemcpyAsync(raw.data(), src, n * elem, cudaMemcpyDeviceToHost, stream), kOp,
-          "copying indices to the host");
-  } else if (stride > 1) {
-    check(cudaMemcpy2DAsync(raw.data(), elem, src, stride * elem, elem, n, cudaMemcpyDeviceToHost,
-                            stream),
-          kOp, "copying indices to the host");
-  } else {  // broadcast (stride 0) or reversed views: element by element
-    for (int64_t i = 0; i < n; ++i) {
-      check(cudaMemcpyAsync(raw.data() + i * elem, src + i * stride * int64_t(elem), elem,
-                            cudaMemcpyDeviceToHost, stream),
-            kOp, "copying indices to the host");
+  const char* what = "copying indices to the host";
+  if (rows * cols == 0) return {};
+  if (cols == 1 || col_stride == 1) {
+    if (rows == 1 || row_stride >= cols) {  // each row contiguous: one 2-D copy
+      check(cudaMemcpy2DAsync(raw.data(), cols * elem, src, std::max<int64_t>(row_stride, cols) * elem,
+                              cols * elem, rows, cudaMemcpyDeviceToHost, stream),
+            kOp, what);
+    } else {  // broadcast (stride 0) or reversed rows: row by row
+      for (int64_t r = 0; r < rows; ++r) {
+        check(cudaMemcpyAsync(raw.data() + r * cols * elem, src + r * row_stride * int64_t(elem),
+                              cols * elem, cudaMemcpyDeviceToHost, stream),
+              kOp, what);
+      }
+    }
+  } else {  // strided columns: element by element
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) {
+        check(cudaMemcpyAsync(raw.data() + (r * cols + c) * elem,
+                              src + (r * row_stride + c * col_stride) * int64_t(elem), elem,
+                              cudaMemcpyDeviceToHost, stream),
+              kOp, what);
+      }
     }
   }
-  if (n > 0) check(cudaStreamSynchronize(stream), kOp, "cudaStreamSynchronize");
-  std::vector<int64_t> out(n);
-  for (int64_t i = 0; i < n; ++i) {
+  check(cudaStreamSynchronize(stream), kOp, "cudaStreamSynchronize");
+  std::vector<int64_t> out(rows * cols);
+  for (size_t i = 0; i < out.size(); ++i) {
     out[i] = elem == 8 ? reinterpret_cast<const int64_t*>(raw.data())[i]
                        : reinterpret_cast<const int32_t*>(raw.data())[i];
   }
@@ -84,7 +96,6 @@ void tree_attention_cuda(const TreeAttentionArgs& a, uintptr_t stream_handle) {
   }
   DeviceGuard guard(a.q.device_id, kOp);
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
-  if (a.cache_rows.ndim != 1) fail(kOp, "block tables (2-D cache_rows) are not supported on cuda yet");
   check_tree_attention_indices(a, indices_to_host(a.cache_rows, stream),
                                indices_to_host(a.prefix_lens, stream));
   const int B = int(a.batch()), T = int(a.tokens());
@@ -102,8 +113,10 @@ void tree_attention_cuda(const TreeAttentionArgs& a, uintptr_t stream_handle) {
     p.out_stride[i] = a.out.strides[i];
   }
   p.cache_rows = a.cache_rows.data;
-  p.cache_rows_stride = a.cache_rows.strides[0];
+  p.cache_rows_stride[0] = a.cache_rows.strides[0];
+  p.cache_rows_stride[1] = a.cache_rows.ndim == 2 ? a.cache_rows.strides[1] : 0;
   p.cache_rows_64 = a.cache_rows.dtype == DType::kInt64;
+  p.seq_len = a.seq_len();
   p.prefix_lens = a.prefix_lens.data;
   p.prefix_lens_stride = a.prefix_lens.strides[0];
   p.prefix_lens_64 = a.prefix_lens.dtype == DType::kInt64;

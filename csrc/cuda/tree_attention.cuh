@@ -28,9 +28,13 @@ struct TreeAttentionParams {
   int64_t v_stride[3];
   void* out;  // [B, T, Hq, D]
   int64_t out_stride[3];
-  const void* cache_rows;  // [B] int32 or int64
-  int64_t cache_rows_stride;
+  // [B] rows or a [B, MB] block table (int32 or int64): position pos of request b is slot
+  // pos % seq_len of row cache_rows[b * stride[0] + (pos / seq_len) * stride[1]]; a [B] view
+  // has stride[1] = 0 (and every position below seq_len).
+  const void* cache_rows;
+  int64_t cache_rows_stride[2];
   bool cache_rows_64;
+  int64_t seq_len;
   const void* prefix_lens;  // [B] int32 or int64
   int64_t prefix_lens_stride;
   bool prefix_lens_64;
@@ -75,6 +79,7 @@ __global__ void __launch_bounds__(kWarps * 32) tree_attention_kernel(const TreeA
   float* ks = qs + kRowsPerBlock * D;   // [kKeyTile, D + 1]; +1 avoids bank conflicts
   float* vs = ks + kKeyTile * (D + 1);  // [kKeyTile, D]
   __shared__ int block_last_visible;
+  __shared__ int64_t k_offset[kKeyTile], v_offset[kKeyTile];  // the tile's keys in the caches
 
   const int b = blockIdx.x / p.kv_heads, h = blockIdx.x % p.kv_heads;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -99,10 +104,9 @@ __global__ void __launch_bounds__(kWarps * 32) tree_attention_kernel(const TreeA
   // Slots before n are visible to every row; slot n + j is visible iff mask column j is set.
   const int64_t n = load_index(p.prefix_lens, b * p.prefix_lens_stride, p.prefix_lens_64) +
                     p.tokens - p.mask_cols;
-  const int64_t cache_row = load_index(p.cache_rows, b * p.cache_rows_stride, p.cache_rows_64);
   const int64_t key_end = n + block_last_visible + 1;
-  const T* kbase = static_cast<const T*>(p.k) + cache_row * p.k_stride[0] + h * p.k_stride[1];
-  const T* vbase = static_cast<const T*>(p.v) + cache_row * p.v_stride[0] + h * p.v_stride[1];
+  const T* kbase = static_cast<const T*>(p.k) + h * p.k_stride[1];
+  const T* vbase = static_cast<const T*>(p.v) + h * p.v_stride[1];
 
   // Warp w owns block rows w, w + kWarps, ...: a small tree still spreads over the warps.
   float acc[kRowsPerWarp][kCols];
@@ -117,11 +121,20 @@ __global__ void __launch_bounds__(kWarps * 32) tree_attention_kernel(const TreeA
 
   for (int64_t k0 = 0; k0 < key_end; k0 += kKeyTile) {
     __syncthreads();  // the previous tile is no longer read
+    if (threadIdx.x < kKeyTile && k0 + threadIdx.x < key_end) {
+      const int64_t pos = k0 + threadIdx.x, block = pos / p.seq_len, slot = pos % p.seq_len;
+      const int64_t row = load_index(
+          p.cache_rows, b * p.cache_rows_stride[0] + block * p.cache_rows_stride[1],
+          p.cache_rows_64);
+      k_offset[threadIdx.x] = row * p.k_stride[0] + slot * p.k_stride[2];
+      v_offset[threadIdx.x] = row * p.v_stride[0] + slot * p.v_stride[2];
+    }
+    __syncthreads();
     for (int i = threadIdx.x; i < kKeyTile * D; i += blockDim.x) {
       const int j = i / D, d = i % D;
       const bool in = k0 + j < key_end;
-      ks[j * (D + 1) + d] = in ? to_float(kbase[(k0 + j) * p.k_stride[2] + d]) : 0.0f;
-      vs[j * D + d] = in ? to_float(vbase[(k0 + j) * p.v_stride[2] + d]) : 0.0f;
+      ks[j * (D + 1) + d] = in ? to_float(kbase[k_offset[j] + d]) : 0.0f;
+      vs[j * D + d] = in ? to_float(vbase[v_offset[j] + d]) : 0.0f;
     }
     __syncthreads();
 

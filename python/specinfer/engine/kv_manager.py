@@ -5,8 +5,7 @@ tokens need, taken as it grows (`reserve`) and all given back the moment it fini
 or is preempted, so the budget goes to what requests actually hold, not to their longest
 possible length. The forwards address it through a block table per sequence (ops.kv_locations);
 entries past a sequence's blocks point at block 0, a scratch block that only the padding of a
-batch writes and nothing reads. On CUDA (whose tree attention takes rows only) a block is a
-whole row of `row_len` positions, one per sequence.
+batch writes and nothing reads.
 
 The SSMs' caches stay one row per running sequence (they are small): a sequence gets a row in
 each on admission (`allocate`). The caches are allocated on first use and kept (the graphs
@@ -20,7 +19,7 @@ from torch import nn
 
 from specinfer.engine.sequence import Sequence
 
-BLOCK_LEN = 16  # positions per block of the target's cache (CPU)
+BLOCK_LEN = 16  # positions per block of the target's cache
 
 
 class KVManager:

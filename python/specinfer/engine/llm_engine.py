@@ -124,18 +124,14 @@ class Engine:
                 f"kv_budget must be an integer number of tokens >= {row_len} (one request "
                 f"of max_model_len={self.max_model_len} and its tree), got {kv_budget!r}"
             )
-        if self.device.type == "cuda":  # its tree attention takes a row per sequence
-            rows = min(max_batch_size, kv_budget // row_len)
-            blocks, block_len = rows, row_len
-        else:
-            rows, block_len = max_batch_size, BLOCK_LEN
-            # By default every request fits at its longest: nothing is ever preempted.
-            per_request = -(-row_len // block_len)
-            blocks = rows * per_request if default_budget else kv_budget // block_len
+        rows = max_batch_size
+        # By default every request fits at its longest: nothing is ever preempted.
+        per_request = -(-row_len // BLOCK_LEN)
+        blocks = rows * per_request if default_budget else kv_budget // BLOCK_LEN
         self.max_batch_size = rows
         self.runner = ModelRunner(self.model, self.device)
         self.run_model = self.runner.graphs
-        self.kv = KVManager(self.model, self.drafter, rows, row_len, blocks, block_len, self.device)
+        self.kv = KVManager(self.model, self.drafter, rows, row_len, blocks, BLOCK_LEN, self.device)
         # Positions a decode step may write: the widest tree it verifies.
         lookahead = self.drafter.num_nodes if self.drafter else 1
         lookahead = min(lookahead, self.max_tree_nodes or lookahead)
