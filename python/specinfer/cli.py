@@ -83,6 +83,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="verify at most N nodes of a request's tree a step, root included (default: no cap)",
     )
+    gen.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        help="shard the target over N processes (spawned here, or torchrun's; default 1)",
+    )
     gen.add_argument("--stats", action="store_true", help="print decoding statistics to stderr")
     gen.add_argument(
         "--chat",
@@ -169,6 +175,9 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument(
         "--max-tree-nodes", type=int, default=None, help="as for generate (default: no cap)"
     )
+    serve.add_argument(
+        "--tensor-parallel", type=int, default=1, help="as for generate (default: 1)"
+    )
     serve.add_argument("--max-batch-size", type=int, default=16, help="requests run at once")
     serve.add_argument(
         "--max-model-len",
@@ -222,7 +231,7 @@ def engine_from_args(args, **serving):
     return Engine(args.model, dtype=args.dtype, device=args.device, threads=args.threads,
                   ssm=ssm, tree=args.tree, mode=args.mode, ssm_head=args.ssm_head,
                   adaptive_tree=not args.whole_trees, max_tree_nodes=args.max_tree_nodes,
-                  **serving)  # fmt: skip
+                  tensor_parallel=args.tensor_parallel, **serving)  # fmt: skip
 
 
 def _format_stats(m: dict) -> str:

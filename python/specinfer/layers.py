@@ -1,4 +1,5 @@
-"""Tensor-parallel building blocks (Megatron-style), world size 1 unless torch.distributed is up.
+"""Tensor-parallel building blocks (Megatron-style) over the group they are built in
+(`distributed.tensor_parallel`; a single rank outside one).
 
 Every parameter carries a `weight_loader(param, full_tensor, shard_id=None)` that copies this
 rank's slice of the full checkpoint tensor, so the loader never needs to know about sharding.
@@ -10,11 +11,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from specinfer import ops
+from specinfer.distributed.group import current_group
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -25,19 +26,25 @@ ACTIVATIONS = {
 }
 
 
-def tp_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def tp_world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 def divide(n: int, what: str) -> int:
-    world = tp_world()
+    world = current_group().size
     if n % world:
         raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel world size {world}")
     return n // world
+
+
+def kv_heads_per_rank(num_kv_heads: int) -> int:
+    """Key/value heads a rank holds: its share, or with more ranks than heads one head, each
+    replicated on world / num_kv_heads ranks (as vLLM does)."""
+    world = current_group().size
+    if world <= num_kv_heads:
+        return divide(num_kv_heads, "key/value heads")
+    if world % num_kv_heads:
+        raise ValueError(
+            f"the tensor-parallel world size {world} exceeds the key/value heads "
+            f"({num_kv_heads}) and is not a multiple of them, so they cannot be replicated evenly"
+        )
+    return 1
 
 
 def _check_shape(full: torch.Tensor, expected: tuple[int, ...]) -> None:
@@ -84,11 +91,13 @@ class ColumnParallelLinear(nn.Module):
     `out_sizes` lists the fused sub-projections (full sizes); each is split separately so a
     rank holds the matching slice of every one of them, e.g. its q, k and v heads."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, shard_ids=None):
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, shard_ids=None,
+                 local_sizes: list[int] | None = None):  # fmt: skip
         super().__init__()
+        self.tp = current_group()
         self.in_features = in_features
         self.out_sizes = out_sizes
-        self.local_sizes = [divide(n, "output features") for n in out_sizes]
+        self.local_sizes = local_sizes or [divide(n, "output features") for n in out_sizes]
         self.shard_ids = list(shard_ids) if shard_ids is not None else [None]
         self.weight = _param(sum(self.local_sizes), in_features, loader=self.weight_loader)
         self.bias = _param(sum(self.local_sizes), loader=self.weight_loader) if bias else None
@@ -96,12 +105,16 @@ class ColumnParallelLinear(nn.Module):
             if p is not None:
                 p.shard_ids = set(self.shard_ids)
 
+    def shard_start(self, i: int) -> int:
+        """Where this rank's slice of sub-projection i starts in the full tensor."""
+        return self.tp.rank * self.local_sizes[i]
+
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id=None) -> None:
         i = self.shard_ids.index(shard_id)
         _check_shape(full, (self.out_sizes[i], *param.shape[1:]))
-        n = self.local_sizes[i]
+        n, start = self.local_sizes[i], self.shard_start(i)
         offset = sum(self.local_sizes[:i])
-        param.data[offset : offset + n].copy_(full[tp_rank() * n : (tp_rank() + 1) * n])
+        param.data[offset : offset + n].copy_(full[start : start + n])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.linear(x, self.weight, self.bias)
@@ -109,9 +122,17 @@ class ColumnParallelLinear(nn.Module):
 
 class QKVParallelLinear(ColumnParallelLinear):
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool):
-        divide(num_kv_heads, "key/value heads")  # whole heads per rank
+        self.head_dim, self.num_kv_heads = head_dim, num_kv_heads
+        local_kv = kv_heads_per_rank(num_kv_heads) * head_dim
         sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
-        super().__init__(hidden, sizes, bias, shard_ids=("q", "k", "v"))
+        local = [divide(sizes[0], "attention heads x head_dim"), local_kv, local_kv]
+        super().__init__(hidden, sizes, bias, shard_ids=("q", "k", "v"), local_sizes=local)
+
+    def shard_start(self, i: int) -> int:
+        world = self.tp.size
+        if i == 0 or world <= self.num_kv_heads:
+            return super().shard_start(i)
+        return self.tp.rank // (world // self.num_kv_heads) * self.head_dim  # a replicated head
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -126,6 +147,7 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
+        self.tp = current_group()
         self.in_features = in_features
         self.weight = _param(out_features, divide(in_features, "input features"))
         self.weight.weight_loader = self.weight_loader
@@ -134,14 +156,12 @@ class RowParallelLinear(nn.Module):
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id=None) -> None:
         _check_shape(full, (param.shape[0], self.in_features))
         n = param.shape[1]
-        param.data.copy_(full[:, tp_rank() * n : (tp_rank() + 1) * n])
+        param.data.copy_(full[:, self.tp.rank * n : (self.tp.rank + 1) * n])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, by rank 0, before the sum.
-        y = ops.linear(x, self.weight, self.bias if tp_rank() == 0 else None)
-        if tp_world() > 1:
-            dist.all_reduce(y)
-        return y
+        y = ops.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
+        return self.tp.all_reduce(y) if self.tp.size > 1 else y
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -149,9 +169,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, vocab_size: int, dim: int):
         super().__init__()
+        self.tp = current_group()
         self.vocab_size = vocab_size
         self.shard = divide(vocab_size, "vocabulary size")
-        self.start = tp_rank() * self.shard
+        self.start = self.tp.rank * self.shard
         self.weight = _param(self.shard, dim, loader=self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id=None) -> None:
@@ -159,13 +180,12 @@ class VocabParallelEmbedding(nn.Module):
         param.data.copy_(full[self.start : self.start + self.shard])
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if tp_world() == 1:
+        if self.tp.size == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.start
         mine = (local >= 0) & (local < self.shard)
         out = F.embedding(local.clamp(0, self.shard - 1), self.weight) * mine.unsqueeze(-1)
-        dist.all_reduce(out)
-        return out
+        return self.tp.all_reduce(out)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -173,11 +193,9 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = ops.linear(x, self.weight).float()
-        if tp_world() == 1:
+        if self.tp.size == 1:
             return logits
-        parts = [torch.empty_like(logits) for _ in range(tp_world())]
-        dist.all_gather(parts, logits.contiguous())
-        return torch.cat(parts, dim=-1)
+        return torch.cat(self.tp.all_gather(logits), dim=-1)
 
 
 class RMSNorm(nn.Module):

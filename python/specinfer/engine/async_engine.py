@@ -38,7 +38,8 @@ class AsyncEngine:
 
     @property
     def ready(self) -> bool:
-        return self._accepting and self._thread.is_alive() and self._error is None
+        return (self._accepting and self._thread.is_alive() and self._error is None
+                and self.engine.failure is None)  # fmt: skip
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:  # fmt: skip
@@ -77,6 +78,7 @@ class AsyncEngine:
             self.abort(request_id)
         self._stop.set()
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
+        self.engine.close()  # its tensor-parallel workers, if any
 
     # -- the engine thread ----------------------------------------------------------------------
 

@@ -15,7 +15,6 @@ recorded over them replay from then on) until `release`.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from specinfer.engine.sequence import Sequence
 
@@ -23,11 +22,12 @@ BLOCK_LEN = 16  # positions per block of the target's cache
 
 
 class KVManager:
-    def __init__(self, model: nn.Module, drafter, rows: int, row_len: int, num_blocks: int,
+    def __init__(self, runner, drafter, rows: int, row_len: int, num_blocks: int,
                  block_len: int, device: torch.device):  # fmt: skip
-        """rows: sequences at once (the SSMs' rows); row_len: the most positions a sequence
-        may use; num_blocks x block_len: the target's positions in all."""
-        self.model, self.drafter = model, drafter
+        """runner: the target's ModelRunner (it holds the cache); rows: sequences at once (the
+        SSMs' rows); row_len: the most positions a sequence may use; num_blocks x block_len:
+        the target's positions in all."""
+        self.runner, self.drafter = runner, drafter
         self.rows, self.row_len = rows, row_len
         self.num_blocks, self.block_len, self.device = num_blocks, block_len, device
         self.blocks_per_seq = -(-row_len // block_len)
@@ -95,6 +95,7 @@ class KVManager:
             raise RuntimeError(
                 f"cannot release the KV caches: {len(self.owners)} requests hold rows"
             )
+        self.runner.free_cache()
         self.kv = None
         self.free_rows, self.free_blocks = [], []
         for ssm in self.drafter.ssms if self.drafter else []:
@@ -103,7 +104,7 @@ class KVManager:
 
     def _make_caches(self) -> None:
         scratch = 1 if self.blocks_per_seq > 1 else 0
-        self.kv = self.model.make_kv_cache(self.num_blocks + scratch, self.block_len)
+        self.kv = self.runner.new_cache(self.num_blocks + scratch, self.block_len)
         if self.drafter:
             self.drafter.reset(self.rows, self.row_len)
         self.free_rows = list(range(self.rows - 1, -1, -1))

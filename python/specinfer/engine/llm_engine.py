@@ -18,6 +18,7 @@ import torch
 
 from specinfer.budget import TreeBudget
 from specinfer.default_model import default_model_path
+from specinfer.distributed import load_target, ssm_view
 from specinfer.drafting import build_drafter
 from specinfer.engine.kv_manager import BLOCK_LEN, KVManager
 from specinfer.engine.model_runner import ModelRunner
@@ -26,7 +27,6 @@ from specinfer.engine.scheduler import Scheduler
 from specinfer.engine.sequence import Completion, RequestOutput
 from specinfer.engine.sequence import Sequence as Seq
 from specinfer.engine.spec_step import speculative_step
-from specinfer.loader import load_model
 from specinfer.sampling import SamplingParams, next_token
 from specinfer.streaming import TextStream
 from specinfer.tokenizer import TokenizerWrapper
@@ -57,6 +57,7 @@ class Engine:
         ssm_head: int | None = None,
         adaptive_tree: bool = True,
         max_tree_nodes: int | None = None,
+        tensor_parallel: int = 1,
     ):
         """mode: "incremental" (no SSM), "sequence" (chains as deep as the trees) or "tree"
         (default when an SSM is given). ssm: a model path sharing the target's tokenizer, an
@@ -75,9 +76,15 @@ class Engine:
         output (default: the model's context, at most 2048); kv_budget (tokens of the target's
         KV blocks, default: max_batch_size requests at max_model_len) caps what the running
         requests hold together: a request waits until its prompt fits, and a running one is
-        preempted (recomputed later) when a block runs out (see scheduler.py); on CUDA it sets
-        how many rows of max_model_len there are. max_tokens_per_step caps the tokens a step
-        runs (decoding requests count one each, prompts fill the rest in chunks)."""
+        preempted (recomputed later) when a block runs out (see scheduler.py).
+        max_tokens_per_step caps the tokens a step runs (decoding requests count one each,
+        prompts fill the rest in chunks).
+
+        tensor_parallel: N shards the target over N processes (N-1 spawned workers, one
+        thread each by default; gloo on CPU, NCCL on CUDA); under torchrun, the processes it
+        started (rank 0 builds the Engine, on the other ranks `Engine(...)` serves rank 0 and
+        then exits). SSMs run on rank 0, whole. `close()` (or `with Engine(...)`) stops the
+        workers; so does the interpreter's exit."""
         if threads is not None:
             torch.set_num_threads(threads)
         for name, value in (("max_batch_size", max_batch_size),
@@ -101,14 +108,28 @@ class Engine:
         if self.mode != "incremental" and ssm is None:
             raise ValueError(f"mode {self.mode!r} needs an ssm (a model path, layers:L or ngram)")
         self.model_path = path
-        self.model = load_model(path, dtype=self.dtype, device=self.device)
+        self.model, self.workers = load_target(
+            path, self.dtype, self.device, tensor_parallel, threads
+        )
+        try:
+            self._build(path, ssm, tree, ssm_head, adaptive_tree, max_tree_nodes, max_model_len,
+                        kv_budget, max_batch_size, max_tokens_per_step, verifier)  # fmt: skip
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, path, ssm, tree, ssm_head, adaptive_tree, max_tree_nodes, max_model_len,
+               kv_budget, max_batch_size, max_tokens_per_step, verifier) -> None:  # fmt: skip
         self.config = self.model.config
         self.tokenizer = TokenizerWrapper.from_path(path)
         self.verifier = verifier
+        self.runner = ModelRunner(self.model, self.device, self.workers)
+        self.run_model = self.runner.graphs
         self.drafter = None
         self.budget = None
         if self.mode != "incremental":
-            self.drafter = build_drafter(ssm, tree, self.model, path, self.dtype, self.device,
+            target = ssm_view(self.runner, ssm) if self.workers else self.model
+            self.drafter = build_drafter(ssm, tree, target, path, self.dtype, self.device,
                                          ssm_head, chains=self.mode == "sequence")  # fmt: skip
             self.budget = TreeBudget() if adaptive_tree else None
         self.max_tree_nodes = _max_tree_nodes(max_tree_nodes, self.drafter)
@@ -129,9 +150,9 @@ class Engine:
         per_request = -(-row_len // BLOCK_LEN)
         blocks = rows * per_request if default_budget else kv_budget // BLOCK_LEN
         self.max_batch_size = rows
-        self.runner = ModelRunner(self.model, self.device)
-        self.run_model = self.runner.graphs
-        self.kv = KVManager(self.model, self.drafter, rows, row_len, blocks, BLOCK_LEN, self.device)
+        self.kv = KVManager(
+            self.runner, self.drafter, rows, row_len, blocks, BLOCK_LEN, self.device
+        )
         # Positions a decode step may write: the widest tree it verifies.
         lookahead = self.drafter.num_nodes if self.drafter else 1
         lookahead = min(lookahead, self.max_tree_nodes or lookahead)
@@ -268,13 +289,28 @@ class Engine:
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> Completion:
         return self.generate([messages], params)[0]
 
+    @property
+    def failure(self) -> str | None:
+        """Why the engine can no longer step (a tensor-parallel worker died), else None."""
+        return self.workers.failure if getattr(self, "workers", None) else None
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (if any); the engine cannot step afterwards."""
+        if getattr(self, "workers", None) is not None:
+            self.workers.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def release(self) -> None:
         """Free the KV caches and recorded graphs; the next request allocates and records
         again. Refused while requests are queued or running."""
         if self.has_unfinished():
             raise RuntimeError("cannot release while requests run (an unfinished stream()?)")
-        self.kv.release()
-        self.run_model.release()
+        self.kv.release()  # and the runner's cache and graphs
 
     # -- requests -------------------------------------------------------------------------------
 

@@ -1,9 +1,14 @@
 """The target model's forwards for one step: prompt chunks, decode tokens, token trees.
 
-It owns the model and the op graphs recorded over the KV cache (graphs.py); each forward takes
-the cache, the sequences' rows, and their tokens, and returns logits. A sequence's new tokens go
-to the slots right after its cached ones; every row of a batch is padded to the same width and
-its padding masked out (the kernels compute a row the same way whatever rows share the call).
+It owns the model, its KV cache and the op graphs recorded over it (graphs.py); each forward
+takes the sequences' block tables and their tokens, and returns logits. A sequence's new tokens
+go to the slots right after its cached ones; every row of a batch is padded to the same width
+and its padding masked out (the kernels compute a row the same way whatever rows share the call).
+
+Under tensor parallelism every rank runs a ModelRunner over its shard: rank 0's sends each call
+of the primitives below (`make_cache`, `forward`, `commit`, `release`: plain tensors, no
+sequences) to the workers (distributed.workers) before running it itself, so all ranks run the
+same ops and meet in the same collectives.
 """
 
 from __future__ import annotations
@@ -11,16 +16,73 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specinfer import ops
 from specinfer.engine.sequence import Sequence
 from specinfer.graphs import GraphRunner
 from specinfer.tree import TokenTree
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, device: torch.device):
-        self.model, self.device = model, device
+    def __init__(self, model: nn.Module, device: torch.device, workers=None):
+        """workers: rank 0's handle on the other ranks (distributed.Workers), or None."""
+        self.model, self.device, self.workers = model, device, workers
         self.graphs = GraphRunner(model)
         self.max_positions = model.config.max_position_embeddings
+        self.cache = None
+
+    # --- primitives: what every rank runs ---
+
+    def _call(self, op: str, *args):
+        if self.workers is None:
+            return getattr(self, op)(*args)
+        sent = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
+        return self.workers.run(op, sent, lambda: getattr(self, op)(*args))
+
+    def make_cache(self, blocks: int, block_len: int):
+        self.cache = self.model.make_kv_cache(blocks, block_len)
+        return self.cache
+
+    def forward(self, tokens, positions, table, prefix, mask, last) -> torch.Tensor:
+        """Logits of every row [B, T, V], or with `last` [B] of row last[b] only [B, V]."""
+        dev = self.device
+        hidden = self.graphs(tokens.to(dev), positions.to(dev), self.cache, table.to(dev),
+                             prefix.to(dev), mask.to(dev))  # fmt: skip
+        if last is not None:
+            hidden = hidden[torch.arange(len(last), device=dev), last.to(dev)]
+        return self.model.compute_logits(hidden)
+
+    def commit(self, table, prefix, accepted) -> None:
+        """Move each accepted path's K/V to the slots after its prefix (ops.kv_commit)."""
+        dev = self.device
+        ops.kv_commit(self.cache.k + self.cache.v, table.to(dev), prefix.to(dev),
+                      accepted.to(dev))  # fmt: skip
+
+    def release(self) -> None:
+        self.graphs.release()
+        self.cache = None
+
+    def embeddings(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole embedding and LM head weights (gathered from the shards)."""
+
+        def whole(layer) -> torch.Tensor:
+            w = layer.weight
+            return torch.cat(layer.tp.all_gather(w), dim=0) if layer.tp.size > 1 else w
+
+        embed = self.model.model.embed_tokens
+        head = self.model.lm_head
+        full = whole(embed)
+        return full, full if head.weight is embed.weight else whole(head)
+
+    # --- rank 0: sequences to primitives ---
+
+    def new_cache(self, blocks: int, block_len: int):
+        return self._call("make_cache", blocks, block_len)
+
+    def free_cache(self) -> None:
+        self._call("release")
+
+    def gather_embeddings(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._call("embeddings")
 
     def prefill(self, kv, chunks: list[tuple[Sequence, int]]) -> list[torch.Tensor | None]:
         """Run the next n prompt tokens of each (sequence, n); per chunk, the logits after it
@@ -50,7 +112,6 @@ class ModelRunner:
                        prefix: list[int]) -> torch.Tensor:  # fmt: skip
         """Causal chains of tokens (right-padded) after each sequence's `prefix` cached tokens;
         the logits [B, V] after each chain's last token."""
-        dev = self.device
         T = max(len(c) for c in chains)
         steps = torch.arange(T)
         lengths = torch.tensor([len(c) for c in chains])
@@ -61,11 +122,8 @@ class ModelRunner:
             valid[:, None, :] | torch.eye(T, dtype=torch.bool)
         )
         prefix_t = torch.tensor(prefix)
-        positions = prefix_t[:, None] + steps
-        hidden = self.graphs(_pad(chains, 0, dev), positions.to(dev), kv.kv, kv.table(seqs),
-                             prefix_t.to(dev), mask.to(dev))  # fmt: skip
-        last = hidden[torch.arange(len(chains), device=dev), (lengths - 1).to(dev)]
-        return self.model.compute_logits(last)
+        return self._call("forward", _pad(chains, 0), prefix_t[:, None] + steps, kv.table(seqs),
+                          prefix_t, mask, lengths - 1)  # fmt: skip
 
     def decode(self, kv, seqs: list[Sequence]) -> torch.Tensor:
         """One token per sequence (its newest); logits [B, V]."""
@@ -75,7 +133,6 @@ class ModelRunner:
     def tree(self, kv, seqs: list[Sequence], trees: list[TokenTree]) -> torch.Tensor:
         """Every tree's nodes in one forward: node i at slot prefix + i, RoPE position prefix +
         depth, seeing the cached prefix and its own ancestors. Logits [B, T, V]."""
-        dev = self.device
         T = max(len(tree) for tree in trees)
         prefix = [s.num_tokens - 1 for s in seqs]
         mask = torch.zeros(len(seqs), T, T, dtype=torch.bool)
@@ -83,12 +140,16 @@ class ModelRunner:
             mask[b, : len(tree), : len(tree)] = tree.ancestor_mask()
         positions = [[p + d for d in tree.depths] + [p] * (T - len(tree))
                      for p, tree in zip(prefix, trees)]  # fmt: skip
-        hidden = self.graphs(_pad([tree.tokens for tree in trees], 0, dev),
-                             torch.tensor(positions, device=dev), kv.kv, kv.table(seqs),
-                             torch.tensor(prefix, device=dev), mask.to(dev))  # fmt: skip
-        return self.model.compute_logits(hidden)
+        return self._call("forward", _pad([tree.tokens for tree in trees], 0),
+                          torch.tensor(positions), kv.table(seqs), torch.tensor(prefix), mask,
+                          None)  # fmt: skip
+
+    def commit_paths(self, kv, seqs: list[Sequence], prefix: list[int],
+                     paths: list[list[int]]) -> None:  # fmt: skip
+        """Keep each sequence's accepted tree path (node ids) in its cache after `prefix`."""
+        self._call("commit", kv.table(seqs), torch.tensor(prefix), _pad(paths, -1))
 
 
-def _pad(seqs: list[list[int]], value: int, device) -> torch.Tensor:
+def _pad(seqs: list[list[int]], value: int) -> torch.Tensor:
     width = max(len(s) for s in seqs)
-    return torch.tensor([s + [value] * (width - len(s)) for s in seqs], device=device)
+    return torch.tensor([s + [value] * (width - len(s)) for s in seqs])

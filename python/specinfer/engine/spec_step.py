@@ -11,9 +11,9 @@ import time
 
 import torch
 
-from specinfer import ops, verify
+from specinfer import verify
 from specinfer.budget import must_draft
-from specinfer.engine.model_runner import ModelRunner, _pad
+from specinfer.engine.model_runner import ModelRunner
 from specinfer.engine.sequence import Sequence
 from specinfer.sampling import probabilities
 from specinfer.tree import TokenTree
@@ -25,7 +25,6 @@ def speculative_step(seqs: list[Sequence], kv, runner: ModelRunner, drafter, bud
     """Each sequence's new tokens (its accepted path's tokens, then the target's next one) and
     the tree that was verified (at most `max_nodes` of each drafted tree: the first ids, which
     keep every node's parent)."""
-    dev = runner.device
     tokens = [s.prompt_ids + s.output_ids for s in seqs]
     # No point speculating past what the request may still generate.
     max_depths = [s.max_len - len(seq) - 1 for s, seq in zip(seqs, tokens)]
@@ -48,8 +47,7 @@ def speculative_step(seqs: list[Sequence], kv, runner: ModelRunner, drafter, bud
     paths = [path for path, _ in verified]
     t3 = time.perf_counter()
     prefix = [len(seq) - 1 for seq in tokens]
-    ops.kv_commit(kv.kv.k + kv.kv.v, kv.table(seqs), torch.tensor(prefix, device=dev),
-                  _pad(paths, -1, dev))  # fmt: skip
+    runner.commit_paths(kv, seqs, prefix, paths)
     drafter.commit(seqs, prefix, paths)
     t4 = time.perf_counter()
     if budget:

@@ -21,7 +21,7 @@ from specinfer.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     divide,
-    tp_world,
+    kv_heads_per_rank,
 )
 from specinfer.models.config import ModelConfig
 
@@ -32,7 +32,7 @@ class LlamaAttention(nn.Module):
         self.layer = layer
         self.head_dim = cfg.head_dim
         self.num_heads = divide(cfg.num_heads, "attention heads")
-        self.num_kv_heads = divide(cfg.num_kv_heads, "key/value heads")
+        self.num_kv_heads = kv_heads_per_rank(cfg.num_kv_heads)
         self.heads = [self.num_heads, self.num_kv_heads, self.num_kv_heads]  # of q, k, v
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias
@@ -142,7 +142,7 @@ class LlamaForCausalLM(nn.Module):
     # With SiLU every op of `decode` is a compiled one, so an OpGraph can record it.
     @property
     def graph_safe(self) -> bool:
-        return self.config.activation == "silu" and tp_world() == 1
+        return self.config.activation == "silu" and self.lm_head.tp.size == 1
 
     def decode(self, h, positions, kv, cache_rows, prefix_lens, slots, tree_mask) -> torch.Tensor:
         """The layers and the final norm over embedded tokens h [B, T, H] (updated in place);
