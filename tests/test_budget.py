@@ -33,7 +33,7 @@ class SteepCosts(TreeBudget):
         return 1.0 + self.steepness * width * width
 
     def time_step(self, *timings):
-        self.overhead = 1.0
+        self.rest = 1.0
 
     def choose(self, trees, params):
         kept = super().choose(trees, params)
@@ -57,7 +57,7 @@ def test_subtree_keeps_nodes_proposals_and_sources():
 def test_flat_costs_keep_everything_steep_costs_cut():
     tree = _chain([1, 2, 3, 4, 5, 6])
     flat = TreeBudget()
-    flat.overhead, flat.cost = 0.001, {w: 0.02 for w in range(1, 8)}
+    flat.rest, flat.cost = 0.001, {w: 0.02 for w in range(1, 8)}
     assert flat.choose([tree], GREEDY) == [list(range(7))]
     steep = SteepCosts()
     steep.time_step(1, 1, 0, 0)
@@ -141,6 +141,24 @@ def test_a_drafter_whose_nodes_are_all_cut_stops_and_is_retried_ever_less_often(
     budget.choose([draft({1})], GREEDY)  # ...and the cut keeps its nodes: it drafts every step
     assert all(budget.drafts(2) == {0, 1} for _ in range(10))
     assert TreeBudget().drafts(3) == {0, 1, 2}  # nothing learned: everyone drafts
+
+
+def test_drafting_that_costs_more_than_it_gains_stops_though_its_nodes_are_kept():
+    """The cut keeps nodes (the drafting is spent), but plain decoding, which drafts nothing,
+    would have been faster: after PATIENCE such steps no drafter drafts; a cheap drafting
+    keeps drafting."""
+    tree = _chain([1, 2, 3])
+    for drafting, stops in ((3.0, True), (0.2, False)):
+        budget = SteepCosts()
+        budget.time_step(1, 1, 0, 0)
+        budget.drafting = drafting  # rest 1, forward 1 + w^2 / 4: plain decoding 1 / 2.25
+        budget.observe([tree] * 30, [[0, 1]] * 30)  # depth 1 nearly always accepted
+        runs = []
+        for _ in range(5):
+            runs.append(budget.drafts(1))
+            if 0 in runs[-1]:
+                assert len(budget.choose([tree], GREEDY)[0]) > 1  # a node is kept
+        assert [0 in run for run in runs] == [True] * 4 + [not stops]
 
 
 def test_rates_follow_the_verifications():

@@ -8,6 +8,7 @@ import pytest
 
 from specinfer import Engine, SamplingParams
 from specinfer.engine import AsyncEngine
+from test_budget import SteepCosts
 from test_speculative import VOCAB, tiny_pair  # noqa: F401
 
 SPEC = {"ssm": ["other", "ngram:max_n=2,depth=4"], "tree": ["2,1,1", None]}
@@ -16,7 +17,10 @@ SPEC = {"ssm": ["other", "ngram:max_n=2,depth=4"], "tree": ["2,1,1", None]}
 def _spec_engine(tiny_pair, **kwargs):  # noqa: F811
     target, other = tiny_pair
     ssm = [other if s == "other" else s for s in SPEC["ssm"]]
-    return Engine(target, dtype="float32", ssm=ssm, tree=SPEC["tree"], **kwargs)
+    engine = Engine(target, dtype="float32", ssm=ssm, tree=SPEC["tree"], **kwargs)
+    if engine.budget:  # cut at fixed prices: what is accepted must not depend on timings
+        engine.budget = SteepCosts(steepness=0.005)
+    return engine
 
 
 def _requests(n: int, seed: int) -> list[tuple[list[int], SamplingParams]]:

@@ -21,8 +21,12 @@ batches on a CPU) a step becomes plain decoding by itself.
 Drafting that only feeds the cut is time lost, so a drafter whose every node the cut dropped in
 its last PATIENCE steps stops drafting for the requests that may be cut (`drafts`); it drafts
 again after 2, then 4, ... 64 skipped steps, and resumes for good once the cut keeps a node of
-it (the text became predictable, the batch shrank). When all drafters stop, a step is plain
-decoding: no SSM forward at all. Lossless for the same reason as the cut.
+it (the text became predictable, the batch shrank). The cut prices a step with the drafting
+already done (it is spent whatever is kept); whether drafting pays at all is the step's
+expected tokens per second against plain decoding's, which drafts nothing: where plain decoding
+would have been faster, the step counts as one with every node cut for all its drafters. When
+all drafters stop, a step is plain decoding: no SSM forward at all. Lossless for the same
+reason as the cut.
 """
 
 from __future__ import annotations
@@ -45,7 +49,8 @@ class TreeBudget:
         self.accepted: dict[tuple[int, int], float] = {}  # ... and the node too
         self.cost: dict[int, float] = {}  # rows (batch x width) -> target forward seconds
         self._seen: set[tuple[int, int]] = set()  # shapes timed once (that run recorded a graph)
-        self.overhead = 0.0  # seconds a step spends outside the target forward
+        self.rest = 0.0  # seconds a step spends outside the target forward and the drafting
+        self.drafting = 0.0  # seconds a step that drafts spends drafting (and cutting)
         self._idle: dict[int, int] = {}  # drafter -> its last drafted steps with no node kept
         self._skipped: dict[int, int] = {}  # drafter -> steps skipped since it last drafted
         self._explore: dict[int, int] = {}  # drafter -> skipped steps before it drafts again
@@ -101,20 +106,21 @@ class TreeBudget:
                 gains[width - 1] += top[min(width - 1, len(order))]
         best, best_score = widest, -1.0
         for width in range(floor, widest + 1):
-            seconds = self.overhead + self.estimate(len(trees), width)
+            seconds = self.rest + self.drafting + self.estimate(len(trees), width)
             if seconds <= 0:
                 return whole  # nothing timed yet: verify everything and learn
             if gains[width - 1] / seconds > best_score:
                 best, best_score = width, gains[width - 1] / seconds
         kept = [keep if order is None else sorted([0] + order[: best - 1])
                 for keep, order in zip(whole, orders)]  # fmt: skip
-        self._note_idle(trees, kept, orders)
+        plain = len(trees) / max(self.rest + self.estimate(len(trees), 1), 1e-9)
+        self._note_idle(trees, kept, orders, pays=best_score > plain)
         return kept
 
     def _note_idle(self, trees: list[TokenTree], kept: list[list[int]],
-                   orders: list[list[int] | None]) -> None:  # fmt: skip
+                   orders: list[list[int] | None], pays: bool) -> None:  # fmt: skip
         """Per drafter that proposed nodes in the trees that may be cut: whether the cut kept
-        any of them."""
+        any of them, and the drafting paid for itself (`pays`)."""
         proposed, used = set(), set()
         for tree, keep, order in zip(trees, kept, orders):
             if order is None:  # kept whole by rule: says nothing about the drafter's worth
@@ -122,7 +128,7 @@ class TreeBudget:
             keep = set(keep)
             for child, source in zip(tree.prop_child, tree.prop_source):
                 proposed.add(source)
-                if child in keep:
+                if child in keep and pays:
                     used.add(source)
         for i in proposed:
             self._idle[i] = 0 if i in used else self._idle.get(i, 0) + 1
@@ -170,12 +176,16 @@ class TreeBudget:
                     self.tested[key] = self.tested.get(key, 0.0) + 1
                     self.accepted[key] = self.accepted.get(key, 0.0) + (child in on_path)
 
-    def time_step(self, batch: int, width: int, target_s: float, other_s: float) -> None:
-        """Record a step's timings. A shape's first forward records its graph, so it is not
-        counted."""
-        self.overhead = (
-            (1 - SMOOTH) * self.overhead + SMOOTH * other_s if self.overhead else other_s
-        )
+    def time_step(self, batch: int, width: int, target_s: float, rest_s: float,
+                  draft_s: float | None = None) -> None:  # fmt: skip
+        """Record a step's timings: its target forward, the rest (verification, commit), and
+        its drafting (None: it drafted nothing). A shape's first forward records its graph, so
+        it is not counted."""
+        self.rest = (1 - SMOOTH) * self.rest + SMOOTH * rest_s if self.rest else rest_s
+        if draft_s is not None:
+            self.drafting = (
+                (1 - SMOOTH) * self.drafting + SMOOTH * draft_s if self.drafting else draft_s
+            )
         if (batch, width) not in self._seen:
             self._seen.add((batch, width))
             return

@@ -52,7 +52,8 @@ def speculative_step(seqs: list[Sequence], kv, runner: ModelRunner, drafter, bud
     t4 = time.perf_counter()
     if budget:
         budget.observe(trees, paths)
-        budget.time_step(len(seqs), max(len(t) for t in trees), t2 - t1, (t1 - t0) + (t4 - t2))
+        budget.time_step(len(seqs), max(len(t) for t in trees), t2 - t1, t4 - t2,
+                         t1 - t0 if run else None)  # fmt: skip
     drafter.record([s.metrics for s in seqs], paths)
     for s, path, tree in zip(seqs, paths, trees):
         m = s.metrics
