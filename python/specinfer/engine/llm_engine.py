@@ -26,8 +26,8 @@ from specinfer.engine.output import append_tokens
 from specinfer.engine.scheduler import Scheduler
 from specinfer.engine.sequence import Completion, RequestOutput
 from specinfer.engine.sequence import Sequence as Seq
-from specinfer.engine.spec_step import speculative_step
-from specinfer.sampling import SamplingParams, next_token
+from specinfer.engine.spec_step import sample, speculative_step
+from specinfer.sampling import SamplingParams
 from specinfer.streaming import TextStream
 from specinfer.tokenizer import TokenizerWrapper
 from specinfer.tree import TreeConfig
@@ -58,6 +58,7 @@ class Engine:
         adaptive_tree: bool = True,
         max_tree_nodes: int | None = None,
         tensor_parallel: int = 1,
+        pipeline_parallel: int = 1,
     ):
         """mode: "incremental" (no SSM), "sequence" (chains as deep as the trees) or "tree"
         (default when an SSM is given). ssm: a model path sharing the target's tokenizer, an
@@ -80,8 +81,10 @@ class Engine:
         max_tokens_per_step caps the tokens a step runs (decoding requests count one each,
         prompts fill the rest in chunks).
 
-        tensor_parallel: N shards the target over N processes (N-1 spawned workers, one
-        thread each by default; gloo on CPU, NCCL on CUDA); under torchrun, the processes it
+        tensor_parallel: N shards each layer over N processes; pipeline_parallel: M gives each
+        of M stages a contiguous range of layers (a step's batch flows through them in
+        micro-batches). N x M processes in all: N x M - 1 spawned workers (cores shared out
+        as threads; gloo on CPU, NCCL for TP on CUDA), or under torchrun the processes it
         started (rank 0 builds the Engine, on the other ranks `Engine(...)` serves rank 0 and
         then exits). SSMs run on rank 0, whole. `close()` (or `with Engine(...)`) stops the
         workers; so does the interpreter's exit."""
@@ -109,7 +112,7 @@ class Engine:
             raise ValueError(f"mode {self.mode!r} needs an ssm (a model path, layers:L or ngram)")
         self.model_path = path
         self.model, self.workers = load_target(
-            path, self.dtype, self.device, tensor_parallel, threads
+            path, self.dtype, self.device, tensor_parallel, threads, pipeline_parallel
         )
         try:
             self._build(path, ssm, tree, ssm_head, adaptive_tree, max_tree_nodes, max_model_len,
@@ -217,7 +220,7 @@ class Engine:
             if self.drafter is None:
                 t0 = time.perf_counter()
                 logits = self.runner.decode(self.kv, plan.decode)
-                new = [[self._next_token(s, lg)] for s, lg in zip(plan.decode, logits)]
+                new = [[sample(s, lg)] for s, lg in zip(plan.decode, logits)]
                 for s in plan.decode:
                     s.metrics["target_s"] += time.perf_counter() - t0
             else:
@@ -233,7 +236,7 @@ class Engine:
             for (s, _), lg in zip(plan.prefill, logits):
                 s.metrics["prefill_s"] += time.perf_counter() - t0
                 if lg is not None and not s.output_ids:  # the prompt is cached: its first token
-                    outputs.append(self._append(s, [self._next_token(s, lg)]))
+                    outputs.append(self._append(s, [sample(s, lg)]))
         return outputs
 
     def stats(self) -> dict:
@@ -362,12 +365,6 @@ class Engine:
         return ids
 
     # -- one step's pieces ----------------------------------------------------------------------
-
-    @staticmethod
-    def _next_token(seq: Seq, logits: torch.Tensor) -> int:
-        """The request's next token from the logits [V] after all its tokens so far."""
-        logits = seq.penalties.apply(logits[None], seq.output_ids)[0]
-        return next_token(logits, seq.params, seq.generator)
 
     def _append(self, seq: Seq, tokens: list[int]) -> RequestOutput:
         before = len(seq.output_ids)

@@ -15,7 +15,7 @@ from specinfer import verify
 from specinfer.budget import must_draft
 from specinfer.engine.model_runner import ModelRunner
 from specinfer.engine.sequence import Sequence
-from specinfer.sampling import probabilities
+from specinfer.sampling import next_token, probabilities
 from specinfer.tree import TokenTree
 
 
@@ -40,14 +40,24 @@ def speculative_step(seqs: list[Sequence], kv, runner: ModelRunner, drafter, bud
     if budget and run:
         trees = drafter.keep(budget.choose(trees, [s.params for s in seqs]))
     t1 = time.perf_counter()
-    logits = runner.tree(kv, seqs, trees)
-    t2 = time.perf_counter()
-    verified = [verify_tree(s, tree, logits[b, : len(tree)], verifier)
-                for b, (s, tree) in enumerate(zip(seqs, trees))]  # fmt: skip
+    prefix = [len(seq) - 1 for seq in tokens]
+    # Nothing drafted or kept: a plain decode step (the same forward as a root-only tree, no
+    # verification or commit). Not with seeded sampling, whose draws must not depend on which
+    # path the rest of its batch took.
+    plain = all(len(t) == 1 for t in trees) and not any(must_draft(s.params) for s in seqs)
+    if plain:
+        logits = runner.decode(kv, seqs)
+        t2 = time.perf_counter()
+        verified = [([0], sample(s, lg)) for s, lg in zip(seqs, logits)]
+    else:
+        logits = runner.tree(kv, seqs, trees)
+        t2 = time.perf_counter()
+        verified = [verify_tree(s, tree, logits[b, : len(tree)], verifier)
+                    for b, (s, tree) in enumerate(zip(seqs, trees))]  # fmt: skip
     paths = [path for path, _ in verified]
     t3 = time.perf_counter()
-    prefix = [len(seq) - 1 for seq in tokens]
-    runner.commit_paths(kv, seqs, prefix, paths)
+    if not plain:
+        runner.commit_paths(kv, seqs, prefix, paths)
     drafter.commit(seqs, prefix, paths)
     t4 = time.perf_counter()
     if budget:
@@ -68,6 +78,12 @@ def speculative_step(seqs: list[Sequence], kv, runner: ModelRunner, drafter, bud
             accepted[depth] += 1
     new = [tree.path_tokens(path[1:]) + [nxt] for tree, (path, nxt) in zip(trees, verified)]
     return new, trees
+
+
+def sample(seq: Sequence, logits: torch.Tensor) -> int:
+    """The request's next token from the logits [V] after all its tokens so far."""
+    logits = seq.penalties.apply(logits[None], seq.output_ids)[0]
+    return next_token(logits, seq.params, seq.generator)
 
 
 def verify_tree(seq: Sequence, tree: TokenTree, logits: torch.Tensor,
