@@ -115,7 +115,13 @@ else
   python_ok=1
   "$PY" -c "import specinfer._C as c; print('specinfer._C from', c.__file__, c.backends())"
   SPECINFER_EXPECT_CUDA=1 stage tests 150 "$PY" -m pytest -q -p no:cacheprovider -m gpu \
-    tests/test_ops.py tests/test_spec_ops.py
+    tests/test_ops.py tests/test_spec_ops.py tests/test_paged_ops.py tests/test_cuda_sampling.py \
+    tests/test_speculative.py
+  if ((gpus > 1)); then # tensor parallelism over NCCL
+    stage tensor_parallel 90 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_distributed.py
+  else
+    say "tensor_parallel: skipped, it needs 2 GPUs and this machine has $gpus"
+  fi
 fi
 
 # --- benchmarks ---

@@ -71,6 +71,37 @@ def test_tp2_greedy_equals_tp1(tiny_pair):  # noqa: F811
     assert _no_workers_left()
 
 
+@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)])
+def test_pipeline_stages_equal_one_process(tiny_pair, tp, pp):  # noqa: F811
+    """PP=2 (3 layers: 2 + 1) and TP=2 x PP=2: greedy incremental equals one process, and
+    speculation (merged SSM + n-gram trees) equals it too: every stage's cache follows the
+    accepted paths."""
+    target, other = tiny_pair
+    expected = _ids(Engine(target, dtype="float32").generate(PROMPTS, GREEDY))
+    with Engine(target, dtype="float32", tensor_parallel=tp, pipeline_parallel=pp) as engine:
+        assert list(engine.model.model.owned) == [0, 1]  # rank 0: stage 0's layers
+        assert engine.model.lm_head.weight.is_meta  # the head lives on the last stage
+        assert _ids(engine.generate(PROMPTS, GREEDY)) == expected
+    with Engine(target, dtype="float32", tensor_parallel=tp, pipeline_parallel=pp,
+                ssm=[other, "ngram"], tree="2,1,1", adaptive_tree=False) as engine:  # fmt: skip
+        outs = engine.generate(PROMPTS, GREEDY)
+    assert _ids(outs) == expected
+    assert sum(sum(o.metrics["accepted_per_depth"]) for o in outs) > 0
+    assert _no_workers_left()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_tp2_on_two_gpus_equals_tp1(tiny_pair):  # noqa: F811
+    """NCCL: greedy, incremental and speculative, equals one GPU."""
+    target, other = tiny_pair
+    expected = _ids(Engine(target, dtype="float32", device="cuda").generate(PROMPTS, GREEDY))
+    for kwargs in ({}, {"ssm": [other, "ngram"], "tree": "2,1,1"}):
+        with Engine(target, dtype="float32", device="cuda", tensor_parallel=2, **kwargs) as e:
+            assert _ids(e.generate(PROMPTS, GREEDY)) == expected
+    assert _no_workers_left()
+
+
 def test_tp2_speculation_equals_incremental_under_tp2(tiny_pair):  # noqa: F811
     target, other = tiny_pair
     with Engine(target, dtype="float32", tensor_parallel=2) as engine:
@@ -108,6 +139,8 @@ def test_kv_heads_are_replicated_beyond_their_count(tmp_path):
         ({"tensor_parallel": "2"}, "tensor_parallel must be an integer"),
         ({"tensor_parallel": 3}, r"world size 3 exceeds the key/value heads \(2\)"),
         ({"tensor_parallel": 2, "ssm": 1}, "layer-selected SSM"),
+        ({"pipeline_parallel": 3}, "pipeline_parallel=3 exceeds the model's 2 layers"),
+        ({"pipeline_parallel": 0}, "pipeline_parallel must be at least 1"),
     ],
 )
 def test_bad_tensor_parallel_configs_are_refused(tmp_path, kwargs, message):
@@ -147,10 +180,11 @@ def _split_report(ours: list[int], ref: list[int], model, prompt_ids: list[int])
 
 
 @pytest.mark.slow
-def test_smollm_tp3_equals_tp1_and_speculates_exactly(smollm_gguf):
+def test_smollm_tp3_and_pp2_equal_tp1_and_speculate_exactly(smollm_gguf):
     """SmolLM2 (9 query, 3 key/value heads) fp32 over 3 processes: greedy equals TP=1 but for
     reported near-ties, capped; speculation (shipped SSM + prompt lookup, whole trees) under
-    TP=3 equals incremental decoding under TP=3 token for token."""
+    TP=3 equals incremental decoding under TP=3 token for token; PP=2 (15 + 15 layers, the same
+    arithmetic) equals TP=1 exactly, incremental and speculative."""
     from test_penalties import _smollm_prompts
 
     prompts = _smollm_prompts(20)
@@ -171,6 +205,10 @@ def test_smollm_tp3_equals_tp1_and_speculates_exactly(smollm_gguf):
         f"speculative {sum(len(o.token_ids) - 1 for o in spec) / steps:.2f} tokens/step"
     )
     assert len(ties) <= max(1, len(prompts) // 8)
+    for kwargs in ({}, {"ssm": ["default", "ngram"], "adaptive_tree": False}):
+        with Engine(smollm_gguf, dtype="float32", max_batch_size=4, pipeline_parallel=2,
+                    **kwargs) as engine:  # fmt: skip
+            assert _ids(engine.generate(prompts, params)) == reference, kwargs
     assert _no_workers_left()
 
 

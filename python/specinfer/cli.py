@@ -87,7 +87,13 @@ def main(argv: list[str] | None = None) -> int:
         "--tensor-parallel",
         type=int,
         default=1,
-        help="shard the target over N processes (spawned here, or torchrun's; default 1)",
+        help="shard each layer over N processes (spawned here, or torchrun's; default 1)",
+    )
+    gen.add_argument(
+        "--pipeline-parallel",
+        type=int,
+        default=1,
+        help="split the layers into M stages, one process (or TP group) each (default 1)",
     )
     gen.add_argument("--stats", action="store_true", help="print decoding statistics to stderr")
     gen.add_argument(
@@ -178,6 +184,9 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument(
         "--tensor-parallel", type=int, default=1, help="as for generate (default: 1)"
     )
+    serve.add_argument(
+        "--pipeline-parallel", type=int, default=1, help="as for generate (default: 1)"
+    )
     serve.add_argument("--max-batch-size", type=int, default=16, help="requests run at once")
     serve.add_argument(
         "--max-model-len",
@@ -231,7 +240,8 @@ def engine_from_args(args, **serving):
     return Engine(args.model, dtype=args.dtype, device=args.device, threads=args.threads,
                   ssm=ssm, tree=args.tree, mode=args.mode, ssm_head=args.ssm_head,
                   adaptive_tree=not args.whole_trees, max_tree_nodes=args.max_tree_nodes,
-                  tensor_parallel=args.tensor_parallel, **serving)  # fmt: skip
+                  tensor_parallel=args.tensor_parallel,
+                  pipeline_parallel=args.pipeline_parallel, **serving)  # fmt: skip
 
 
 def _format_stats(m: dict) -> str:

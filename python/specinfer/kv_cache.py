@@ -31,10 +31,19 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        layers: range | None = None,
     ):
+        """layers: the ones this cache holds (a pipeline stage's); the others get empty
+        tensors, so a layer's index is the same everywhere."""
         shape = (rows, num_kv_heads, max_seq_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        held = range(num_layers) if layers is None else layers
+
+        def one(i: int) -> torch.Tensor:
+            return torch.zeros(shape if i in held else (0,), dtype=dtype, device=device)
+
+        self.k = [one(i) for i in range(num_layers)]
+        self.v = [one(i) for i in range(num_layers)]
+        self.held = held
         self.rows = rows
         self.max_seq_len = max_seq_len
 

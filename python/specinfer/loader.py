@@ -219,6 +219,8 @@ def load_weights(
         param = params.get(target)
         if param is None:
             raise ValueError(f"unexpected tensor {name!r} in checkpoint")
+        if param.is_meta:  # another pipeline stage's
+            continue
         try:
             param.weight_loader(param, tensor, shard_id)
         except ValueError as e:
@@ -227,7 +229,7 @@ def load_weights(
     missing = []
     for name, p in params.items():
         expected = getattr(p, "shard_ids", {None})
-        if loaded[name] != expected and name not in preloaded:
+        if loaded[name] != expected and name not in preloaded and not p.is_meta:
             shards = sorted(map(str, expected - loaded[name]))
             missing.append(f"{name} {shards}" if len(expected) > 1 else name)
     if missing:

@@ -1,8 +1,10 @@
-"""Tensor-parallel worker processes: rank 0's handle on them (`Workers`) and their loop.
+"""Worker processes (tensor- and pipeline-parallel ranks): rank 0's handle on them (`Workers`)
+and their loop.
 
 Rank 0 (the process that builds the Engine) spawns ranks 1..N-1, or, under torchrun, finds them
-already started. Each worker loads its shard of the target, then runs rank 0's ModelRunner calls
-as they come (`ModelRunner._call`) until told to stop. A worker that dies or fails is reported on
+already started. Each worker loads its shard of the target (its stage's layers, its TP slice of
+them), then runs rank 0's ModelRunner calls as they come (`ModelRunner._call`) until told to
+stop. A worker that dies or fails is reported on
 rank 0 by name, exit code and traceback: its collectives fail at once (a dead peer closes its
 sockets) or after the step deadline (a hung one), and `Workers.call` names the cause. `close`
 stops them all (atexit too): a stop message, then terminate, then kill.
@@ -24,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from specinfer.distributed.group import TPGroup, connect, tensor_parallel
+from specinfer.distributed.group import Parallel, connect, tensor_parallel
 
 STEP_TIMEOUT = float(os.environ.get("SPECINFER_STEP_TIMEOUT", "30"))  # seconds a collective waits
 LOAD_TIMEOUT = 900.0  # seconds rank 0 waits for the workers' shards to load
@@ -38,10 +40,16 @@ class ShardSpec:
     dtype: torch.dtype
     device: str  # "cpu", or "cuda" (rank r uses cuda:r)
     threads: int
+    tp: int  # ranks per stage
+    pp: int  # pipeline stages
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp
 
 
 class WorkerError(RuntimeError):
-    """A tensor-parallel worker died, failed or stopped answering."""
+    """A worker (a tensor- or pipeline-parallel rank) died, failed or stopped answering."""
 
 
 def free_port() -> int:
@@ -54,17 +62,18 @@ def rank_device(device: str, rank: int) -> torch.device:
     return torch.device(f"cuda:{rank}") if device.startswith("cuda") else torch.device("cpu")
 
 
-def build_shard(spec: ShardSpec, group: TPGroup):
+def build_shard(spec: ShardSpec, par: Parallel):
     from specinfer.loader import load_model
 
-    with tensor_parallel(group):
-        return load_model(spec.path, dtype=spec.dtype, device=rank_device(spec.device, group.rank))
+    with tensor_parallel(par.tp, par.stage, par.pp):
+        return load_model(spec.path, dtype=spec.dtype, device=rank_device(spec.device, par.rank))
 
 
 class Workers:
     """Rank 0's side: the group, the worker processes (spawned ones), and calls to them."""
 
-    def __init__(self, size: int, spec: ShardSpec, torchrun: bool = False):
+    def __init__(self, spec: ShardSpec, torchrun: bool = False):
+        size = spec.world
         self.size, self.failure, self.group, self.closed = size, None, None, False
         self.procs: list = []
         ctx = mp.get_context("spawn")
@@ -74,17 +83,18 @@ class Workers:
         else:
             host, port = "127.0.0.1", free_port()
             for rank in range(1, size):
-                p = ctx.Process(target=_spawned_worker, name=f"specinfer-tp{rank}",
-                                args=(rank, size, host, port, spec, self.errors), daemon=True)  # fmt: skip
+                p = ctx.Process(target=_spawned_worker, name=f"specinfer-rank{rank}",
+                                args=(rank, host, port, spec, self.errors), daemon=True)  # fmt: skip
                 p.start()
                 self.procs.append(p)
         atexit.register(self.close)
         self._stop = threading.Event()
         threading.Thread(target=self._monitor, name="specinfer-tp-monitor", daemon=True).start()
         try:
-            self.group = connect(0, size, host, port, rank_device(spec.device, 0), STEP_TIMEOUT)
+            self.group = connect(0, spec.tp, spec.pp, host, port, rank_device(spec.device, 0),
+                                 STEP_TIMEOUT)  # fmt: skip
         except Exception as e:
-            raise self.fail(e, "the tensor-parallel workers did not connect") from e
+            raise self.fail(e, "the workers did not connect") from e
 
     def wait_loaded(self) -> None:
         """Wait (while they live, at most LOAD_TIMEOUT) until every worker loaded its shard."""
@@ -108,7 +118,7 @@ class Workers:
         except (dist.DistError, RuntimeError) as e:
             if isinstance(e, ValueError):  # bad input: every rank raised it alike
                 raise
-            raise self.fail(e, "a tensor-parallel collective failed") from e
+            raise self.fail(e, "a collective or transfer between ranks failed") from e
 
     def fail(self, error: Exception, what: str) -> WorkerError:
         """Close everything and return the error to raise: the dead or failed worker named if
@@ -125,12 +135,12 @@ class Workers:
     def _why(self) -> str | None:
         try:
             rank, text = self.errors.get_nowait()
-            return f"tensor-parallel worker {rank} failed:\n{text}"
+            return f"worker {rank} failed:\n{text}"
         except (queue.Empty, OSError, ValueError):
             pass
         for rank, p in enumerate(self.procs, 1):
             if p.exitcode is not None:
-                return f"tensor-parallel worker {rank} (pid {p.pid}) exited with code {p.exitcode}"
+                return f"worker {rank} (pid {p.pid}) exited with code {p.exitcode}"
         return None
 
     def _monitor(self) -> None:
@@ -167,22 +177,24 @@ class Workers:
         self.errors.join_thread()
 
 
-def _spawned_worker(rank: int, size: int, host: str, port: int, spec: ShardSpec, errors) -> None:
+def _spawned_worker(rank: int, host: str, port: int, spec: ShardSpec, errors) -> None:
     try:
-        run_worker(rank, size, host, port, spec)
+        run_worker(rank, host, port, spec)
     except BaseException:
         errors.put((rank, traceback.format_exc()))
         raise SystemExit(1) from None
 
 
-def run_worker(rank: int, size: int, host: str, port: int, spec: ShardSpec) -> None:
-    """A worker's life: join the group, load the shard, run rank 0's calls until "stop"."""
+def run_worker(rank: int, host: str, port: int, spec: ShardSpec) -> None:
+    """A worker's life: join the groups, load the shard, run rank 0's calls until "stop"."""
     from specinfer.engine.model_runner import ModelRunner
 
     torch.set_num_threads(spec.threads)
     device = rank_device(spec.device, rank)
-    group = connect(rank, size, host, port, device, STEP_TIMEOUT)
-    runner = ModelRunner(build_shard(spec, group), device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    group = connect(rank, spec.tp, spec.pp, host, port, device, STEP_TIMEOUT)
+    runner = ModelRunner(build_shard(spec, group), device, parallel=group)
     group.store.set(f"loaded/{rank}", "1")
     while True:
         op, args = group.recv()

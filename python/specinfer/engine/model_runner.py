@@ -5,10 +5,13 @@ takes the sequences' block tables and their tokens, and returns logits. A sequen
 go to the slots right after its cached ones; every row of a batch is padded to the same width
 and its padding masked out (the kernels compute a row the same way whatever rows share the call).
 
-Under tensor parallelism every rank runs a ModelRunner over its shard: rank 0's sends each call
-of the primitives below (`make_cache`, `forward`, `commit`, `release`: plain tensors, no
-sequences) to the workers (distributed.workers) before running it itself, so all ranks run the
-same ops and meet in the same collectives.
+Under tensor and pipeline parallelism every rank runs a ModelRunner over its shard: rank 0's
+sends each call of the primitives below (`make_cache`, `forward`, `commit`, `release`,
+`embeddings`: plain tensors, no sequences) to the workers (distributed.workers) before running
+it itself, so all ranks run the same ops and meet in the same collectives. With pipeline
+stages, a forward splits the batch into micro-batches that flow stage to stage (hidden states
+and the residual stream by point-to-point sends), so the stages work at once; the last stage's
+logits come back to rank 0. Every stage commits the accepted paths into its own layers' cache.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ from specinfer.tree import TokenTree
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, device: torch.device, workers=None):
-        """workers: rank 0's handle on the other ranks (distributed.Workers), or None."""
+    def __init__(self, model: nn.Module, device: torch.device, workers=None, parallel=None):
+        """workers: rank 0's handle on the other ranks (distributed.Workers); parallel: a
+        worker's place among the ranks (distributed.group.Parallel); None for both alone."""
         self.model, self.device, self.workers = model, device, workers
+        self.par = parallel or (workers.group if workers else None)
         self.graphs = GraphRunner(model)
         self.max_positions = model.config.max_position_embeddings
         self.cache = None
@@ -42,8 +47,11 @@ class ModelRunner:
         self.cache = self.model.make_kv_cache(blocks, block_len)
         return self.cache
 
-    def forward(self, tokens, positions, table, prefix, mask, last) -> torch.Tensor:
-        """Logits of every row [B, T, V], or with `last` [B] of row last[b] only [B, V]."""
+    def forward(self, tokens, positions, table, prefix, mask, last) -> torch.Tensor | None:
+        """Logits of every row [B, T, V], or with `last` [B] of row last[b] only [B, V] (on
+        rank 0; None on the other pipeline stages)."""
+        if self.par is not None and self.par.pp > 1:
+            return self._pipelined(tokens, positions, table, prefix, mask, last)
         dev = self.device
         hidden = self.graphs(tokens.to(dev), positions.to(dev), self.cache, table.to(dev),
                              prefix.to(dev), mask.to(dev))  # fmt: skip
@@ -54,24 +62,74 @@ class ModelRunner:
     def commit(self, table, prefix, accepted) -> None:
         """Move each accepted path's K/V to the slots after its prefix (ops.kv_commit)."""
         dev = self.device
-        ops.kv_commit(self.cache.k + self.cache.v, table.to(dev), prefix.to(dev),
-                      accepted.to(dev))  # fmt: skip
+        held = self.cache.held  # a pipeline stage's layers
+        caches = [self.cache.k[i] for i in held] + [self.cache.v[i] for i in held]
+        ops.kv_commit(caches, table.to(dev), prefix.to(dev), accepted.to(dev))
 
     def release(self) -> None:
         self.graphs.release()
         self.cache = None
 
-    def embeddings(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole embedding and LM head weights (gathered from the shards)."""
+    def embeddings(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The whole embedding and LM head weights (gathered from the shards; the head comes
+        from the last pipeline stage), on rank 0."""
 
-        def whole(layer) -> torch.Tensor:
+        def whole(layer) -> torch.Tensor | None:
             w = layer.weight
+            if w.is_meta:  # another stage's
+                return None
             return torch.cat(layer.tp.all_gather(w), dim=0) if layer.tp.size > 1 else w
 
-        embed = self.model.model.embed_tokens
-        head = self.model.lm_head
+        embed, head = self.model.model.embed_tokens, self.model.lm_head
         full = whole(embed)
-        return full, full if head.weight is embed.weight else whole(head)
+        if head.weight is embed.weight:
+            return full, full
+        head_w, par = whole(head), self.par
+        if par is not None and par.pp > 1:
+            if par.last and par.tp.rank == 0:
+                par.send_tensor(head_w, 0, tag=0).wait()
+            if par.rank == 0:
+                shape = (self.model.config.vocab_size, embed.weight.shape[1])
+                head_w = par.recv_tensor(shape, embed.weight.dtype, par.rank_of(par.pp - 1), 0)
+        return full, head_w
+
+    def _pipelined(self, tokens, positions, table, prefix, mask, last):
+        """This stage's part of a forward, micro-batch by micro-batch (see the docstring)."""
+        par, model, dev = self.par, self.model, self.device
+        B, T = tokens.shape
+        shape, dtype = (T, model.config.hidden_size), self.cache.k[self.cache.held[0]].dtype
+        bounds = torch.linspace(0, B, min(par.pp, B) + 1).round().long().tolist()
+        sent, logits = [], []
+        for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+            args = [x[lo:hi].to(dev) for x in (positions, table, prefix, mask)]
+            if par.first:
+                h, residual = model.embed(tokens[lo:hi].to(dev)), None
+            else:
+                src = par.rank_of(par.stage - 1)
+                h = par.recv_tensor((hi - lo, *shape), dtype, src, 2 * i).to(dev)
+                residual = par.recv_tensor((hi - lo, *shape), dtype, src, 2 * i + 1).to(dev)
+            pos, rows, pre, msk = args
+            h, residual = model.run_stage(h, residual, pos, self.cache, rows, pre, msk)
+            if not par.last:  # on to the next stage; this stage starts the next micro-batch
+                dst = par.rank_of(par.stage + 1)
+                sent += [(par.send_tensor(h, dst, 2 * i), h),
+                         (par.send_tensor(residual, dst, 2 * i + 1), residual)]  # fmt: skip
+                continue
+            out = model.model.norm(h, residual)
+            if last is not None:
+                out = out[torch.arange(hi - lo, device=dev), last[lo:hi].to(dev)]
+            logits.append(model.compute_logits(out))
+        for work, _ in sent:
+            work.wait()
+        if par.last:
+            if par.tp.rank == 0:
+                par.send_tensor(torch.cat(logits), 0, tag=0).wait()
+            return None
+        if par.rank != 0:
+            return None
+        vocab = model.config.vocab_size
+        out_shape = (B, vocab) if last is not None else (B, T, vocab)
+        return par.recv_tensor(out_shape, torch.float32, par.rank_of(par.pp - 1), 0).to(dev)
 
     # --- rank 0: sequences to primitives ---
 

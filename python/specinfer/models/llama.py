@@ -6,10 +6,13 @@ listed in `packed_weights`.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
 from specinfer import ops
+from specinfer.distributed.group import current_stage, stage_layers
 from specinfer.kv_cache import KVCache
 from specinfer.layers import (
     ACTIVATIONS,
@@ -94,10 +97,28 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
+        """Under pipeline parallelism only this stage's layers (and the embedding on the first
+        stage, the final norm on the last) hold weights; the rest are built on the meta device
+        (no memory, skipped by the loader) so names and layer indices stay the model's."""
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        stage, stages = current_stage()
+        self.owned = stage_layers(cfg.num_layers, stage, stages)
+        first, last = stage == 0, stage == stages - 1
+        keep_embed = first or (last and cfg.tie_word_embeddings)  # the tied head reads it
+        with _here_or_meta(keep_embed):
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        layers = []
+        for i in range(cfg.num_layers):
+            with _here_or_meta(i in self.owned):
+                layers.append(LlamaDecoderLayer(cfg, i))
+        self.layers = nn.ModuleList(layers)
+        with _here_or_meta(last):
+            self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+
+
+def _here_or_meta(here: bool):
+    """Build on the current device, or (not this stage's part) on the meta device."""
+    return contextlib.nullcontext() if here else torch.device("meta")
 
 
 class LlamaForCausalLM(nn.Module):
@@ -114,7 +135,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        stage, stages = current_stage()
+        self.stage, self.stages = stage, stages
+        with _here_or_meta(stage == stages - 1):
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(
@@ -142,7 +166,8 @@ class LlamaForCausalLM(nn.Module):
     # With SiLU every op of `decode` is a compiled one, so an OpGraph can record it.
     @property
     def graph_safe(self) -> bool:
-        return self.config.activation == "silu" and self.lm_head.tp.size == 1
+        return (self.config.activation == "silu" and self.lm_head.tp.size == 1
+                and self.stages == 1)  # fmt: skip
 
     def decode(self, h, positions, kv, cache_rows, prefix_lens, slots, tree_mask) -> torch.Tensor:
         """The layers and the final norm over embedded tokens h [B, T, H] (updated in place);
@@ -154,12 +179,22 @@ class LlamaForCausalLM(nn.Module):
             )
         return self.model.norm(h, residual)
 
+    def run_stage(self, h, residual, positions, kv, cache_rows, prefix_lens, tree_mask):
+        """A pipeline stage: its layers over h [B, T, H] and the residual stream (None on the
+        first stage, where h is the embedding); (h, residual) for the next stage."""
+        slots = prefix_lens[:, None] + torch.arange(h.shape[1], device=h.device)
+        for i in self.model.owned:
+            h, residual = self.model.layers[i](
+                h, residual, self.rotary, positions, kv, cache_rows, prefix_lens, slots, tree_mask
+            )
+        return h, residual
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
     def make_kv_cache(self, rows: int, max_seq_len: int, dtype: torch.dtype | None = None):
-        attn = self.model.layers[0].self_attn
-        weight = self.lm_head.weight
+        attn = self.model.layers[self.model.owned[0]].self_attn
+        weight = attn.qkv_proj.weight
         return KVCache(
             self.config.num_layers,
             rows,
@@ -168,4 +203,5 @@ class LlamaForCausalLM(nn.Module):
             attn.head_dim,
             dtype or weight.dtype,
             weight.device,
+            layers=self.model.owned,
         )

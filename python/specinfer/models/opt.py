@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from specinfer import ops
+from specinfer.distributed.group import current_stage
 from specinfer.kv_cache import KVCache
 from specinfer.layers import (
     ACTIVATIONS,
@@ -102,6 +103,8 @@ class OPTForCausalLM(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
+        if current_stage()[1] > 1:
+            raise ValueError("pipeline_parallel supports LLaMA-family models only (this is OPT)")
         self.config = config
         self.model = nn.Module()
         self.model.decoder = OPTDecoder(config)
