@@ -4,7 +4,7 @@ it is checked lossless in test_speculative (greedy and sampling)."""
 import pytest
 import torch
 
-from specinfer.budget import TreeBudget
+from specinfer.budget import PATIENCE, TreeBudget
 from specinfer.sampling import SamplingParams
 from specinfer.tree import TokenTree
 
@@ -159,6 +159,23 @@ def test_drafting_that_costs_more_than_it_gains_stops_though_its_nodes_are_kept(
             if 0 in runs[-1]:
                 assert len(budget.choose([tree], GREEDY)[0]) > 1  # a node is kept
         assert [0 in run for run in runs] == [True] * 4 + [not stops]
+
+
+class RowCosts(TreeBudget):
+    """A forward costs 10 ms plus 1 ms per row (requests x width); nothing is timed."""
+
+    def estimate(self, batch, width):
+        return 0.010 + 0.001 * batch * width
+
+
+def test_a_stopped_drafter_is_not_retried_where_its_trees_cannot_pay():
+    """Retrying costs a forward as wide as the tree for every request: at 16 requests a tree
+    like the recent ones (0.5 tokens expected from its best node) cannot pay, at 1 it can."""
+    for batch, retried in ((16, False), (1, True)):
+        budget = RowCosts()
+        budget.rest, budget.drafting, budget.curve = 0.001, 0.002, [0.5, 0.6]
+        budget._idle[0] = PATIENCE  # stopped
+        assert any(0 in budget.drafts(1, batch) for _ in range(10)) == retried
 
 
 def test_rates_follow_the_verifications():

@@ -346,7 +346,7 @@ class Rotating(TreeBudget):
 
     calls = 0
 
-    def drafts(self, drafters):
+    def drafts(self, drafters, batch=1):
         sets = [
             frozenset(c) for k in range(drafters, -1, -1) for c in combinations(range(drafters), k)
         ]
@@ -358,7 +358,7 @@ class Rotating(TreeBudget):
 
 
 class NeverDrafts(TreeBudget):
-    def drafts(self, drafters):
+    def drafts(self, drafters, batch=1):
         return frozenset()
 
 

@@ -50,7 +50,10 @@ class TreeBudget:
         self.cost: dict[int, float] = {}  # rows (batch x width) -> target forward seconds
         self._seen: set[tuple[int, int]] = set()  # shapes timed once (that run recorded a graph)
         self.rest = 0.0  # seconds a step spends outside the target forward and the drafting
-        self.drafting = 0.0  # seconds a step that drafts spends drafting (and cutting)
+        self.drafting = 0.0  # seconds per request a step that drafts spends drafting
+        # Expected accepted tokens per request with its k best nodes (index k - 1), averaged
+        # over recent drafted trees: what drafting would gain at a width, before drafting.
+        self.curve: list[float] = []
         self._idle: dict[int, int] = {}  # drafter -> its last drafted steps with no node kept
         self._skipped: dict[int, int] = {}  # drafter -> steps skipped since it last drafted
         self._explore: dict[int, int] = {}  # drafter -> skipped steps before it drafts again
@@ -104,9 +107,10 @@ class TreeBudget:
             top = list(accumulate((value[n] for n in order), initial=0.0))  # top[k]: best k nodes
             for width in range(1, widest + 1):
                 gains[width - 1] += top[min(width - 1, len(order))]
+            self._learn_curve(top)
         best, best_score = widest, -1.0
         for width in range(floor, widest + 1):
-            seconds = self.rest + self.drafting + self.estimate(len(trees), width)
+            seconds = self.rest + self.drafting * len(trees) + self.estimate(len(trees), width)
             if seconds <= 0:
                 return whole  # nothing timed yet: verify everything and learn
             if gains[width - 1] / seconds > best_score:
@@ -135,20 +139,44 @@ class TreeBudget:
             if i in used:
                 self._explore[i] = EXPLORE[0]
 
-    def drafts(self, drafters: int) -> frozenset[int]:
-        """Which of the `drafters` (ids 0..drafters-1) should draft this step's trees that may
-        be cut: those the cut kept a node of lately, and a stopped one whose time to try again
-        has come."""
+    def drafts(self, drafters: int, batch: int = 1) -> frozenset[int]:
+        """Which of the `drafters` (ids 0..drafters-1) should draft this step's `batch` trees
+        that may be cut: those the cut kept a node of lately, and a stopped one whose time to
+        try again has come, if trees as large as lately could pay at this batch size (trying
+        costs a forward as wide as the tree for every request)."""
         run = set()
         for i in range(drafters):
             if self._idle.get(i, 0) >= PATIENCE:
                 self._skipped[i] = self._skipped.get(i, 0) + 1
-                if self._skipped[i] < self._explore.get(i, EXPLORE[0]):
+                if self._skipped[i] < self._explore.get(i, EXPLORE[0]) or not self._could_pay(
+                    batch
+                ):
                     continue
                 self._explore[i] = min(2 * self._explore.get(i, EXPLORE[0]), EXPLORE[1])
             self._skipped[i] = 0
             run.add(i)
         return frozenset(run)
+
+    def _learn_curve(self, top: list[float]) -> None:
+        top = top[1:] or [0.0]
+        if not self.curve:
+            self.curve = top
+            return
+        n = max(len(top), len(self.curve))
+        pad = lambda xs: xs + [xs[-1]] * (n - len(xs))  # noqa: E731
+        self.curve = [(1 - SMOOTH) * a + SMOOTH * b for a, b in zip(pad(self.curve), pad(top))]
+
+    def _could_pay(self, batch: int) -> bool:
+        """Whether drafting trees like the recent ones would beat plain decoding for `batch`
+        requests, by the learned costs (untimed widths priced optimistically)."""
+        if not self.curve:
+            return True
+        plain = batch / max(self.rest + self.estimate(batch, 1), 1e-9)
+        for width in range(2, len(self.curve) + 2):
+            seconds = self.rest + self.drafting * batch + self.estimate(batch, width)
+            if seconds <= 0 or batch * (1 + self.curve[width - 2]) / seconds > plain:
+                return True
+        return False
 
     def estimate(self, batch: int, width: int) -> float:
         """The target forward's time for `batch` trees padded to `width`, priced by its rows
@@ -183,8 +211,11 @@ class TreeBudget:
         it is not counted."""
         self.rest = (1 - SMOOTH) * self.rest + SMOOTH * rest_s if self.rest else rest_s
         if draft_s is not None:
+            per_request = draft_s / batch
             self.drafting = (
-                (1 - SMOOTH) * self.drafting + SMOOTH * draft_s if self.drafting else draft_s
+                (1 - SMOOTH) * self.drafting + SMOOTH * per_request
+                if self.drafting
+                else per_request
             )
         if (batch, width) not in self._seen:
             self._seen.add((batch, width))

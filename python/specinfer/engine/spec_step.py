@@ -29,7 +29,7 @@ def speculative_step(seqs: list[Sequence], kv, runner: ModelRunner, drafter, bud
     # No point speculating past what the request may still generate.
     max_depths = [s.max_len - len(seq) - 1 for s, seq in zip(seqs, tokens)]
     n = len(drafter.ssms)
-    run = budget.drafts(n) if budget else frozenset(range(n))
+    run = budget.drafts(n, len(seqs)) if budget else frozenset(range(n))
     # Per SSM, each request's depth; 0 (no draft) where the budget leaves that SSM out.
     depths = [[d if i in run or must_draft(s.params) else 0 for s, d in zip(seqs, max_depths)]
               for i in range(n)]  # fmt: skip
