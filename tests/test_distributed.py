@@ -49,6 +49,14 @@ def _llama(path, vocab: int, heads: int, kv_heads: int, hidden: int = 32):
     return path
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _no_workers_left(timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while multiprocessing.active_children() and time.monotonic() < deadline:
@@ -102,11 +110,15 @@ def test_tp2_on_two_gpus_equals_tp1(tiny_pair):  # noqa: F811
     assert _no_workers_left()
 
 
-def test_tp2_speculation_equals_incremental_under_tp2(tiny_pair):  # noqa: F811
+@pytest.mark.parametrize("ssm", ["other", "layers"])
+def test_tp2_speculation_equals_incremental_under_tp2(tiny_pair, ssm):  # noqa: F811
+    """A separate SSM (whole, on rank 0) or a layer-selected one (the target's first layer:
+    its shards run on both ranks, each with its own cache), merged with prompt lookup."""
     target, other = tiny_pair
     with Engine(target, dtype="float32", tensor_parallel=2) as engine:
         expected = _ids(engine.generate(PROMPTS, GREEDY))
-    with Engine(target, dtype="float32", tensor_parallel=2, ssm=[other, "ngram"],
+    drafter = other if ssm == "other" else 1
+    with Engine(target, dtype="float32", tensor_parallel=2, ssm=[drafter, "ngram"],
                 tree="2,1,1", adaptive_tree=False) as engine:  # fmt: skip
         outs = engine.generate(PROMPTS, GREEDY)
     assert _ids(outs) == expected
@@ -138,7 +150,7 @@ def test_kv_heads_are_replicated_beyond_their_count(tmp_path):
         ({"tensor_parallel": 0}, "tensor_parallel must be at least 1"),
         ({"tensor_parallel": "2"}, "tensor_parallel must be an integer"),
         ({"tensor_parallel": 3}, r"world size 3 exceeds the key/value heads \(2\)"),
-        ({"tensor_parallel": 2, "ssm": 1}, "layer-selected SSM"),
+        ({"pipeline_parallel": 2, "ssm": 1}, "would span pipeline stages"),
         ({"pipeline_parallel": 3}, "pipeline_parallel=3 exceeds the model's 2 layers"),
         ({"pipeline_parallel": 0}, "pipeline_parallel must be at least 1"),
     ],
@@ -232,7 +244,7 @@ def test_serve_with_tensor_parallel_3(smollm_gguf, tmp_path):
     import httpx
     import openai
 
-    from test_server import CHAT, MODEL, PROMPT, _free_port
+    from test_server import CHAT, MODEL, PROMPT
 
     reference = Engine(smollm_gguf, dtype="float32", mode="incremental")
     greedy = SamplingParams(max_tokens=12)
@@ -291,3 +303,18 @@ def _alive(pid: int) -> bool:
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_torchrun_ranks_serve_rank_0(tiny_pair, tmp_path):  # noqa: F811
+    """The same command on every torchrun rank: rank 0 generates, rank 1 serves it and exits."""
+    target = tiny_pair[0]
+    expected = Engine(target, dtype="float32").generate("t1 t4 t2", GREEDY)[0].text
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+           "-m", "specinfer.cli", "generate", "t1 t4 t2", "--model", str(target),
+           "--dtype", "float32", "--temperature", "0", "--max-tokens", "12", "--no-chat",
+           "--mode", "incremental", "--tensor-parallel", "2"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip().endswith(expected.strip()), done.stdout

@@ -31,6 +31,8 @@ def layer_selected(target: nn.Module, num_layers: int) -> nn.Module:
         raise ValueError(
             f"layer-selected SSM needs 1 <= layers < {total} (the target's depth), got {num_layers}"
         )
+    if hasattr(target, "layer_selected"):  # a sharded target (distributed.ssm_view)
+        return target.layer_selected(num_layers)
     if not hasattr(target, "model") or not hasattr(target.model, "layers"):
         raise ValueError(
             f"layer selection is supported for Llama-family models, not {type(target).__name__}"
@@ -166,8 +168,11 @@ class Speculator:
         kept = [[n for n in paths[b] if trees[b].depths[n] < min(self.tree.depth, max_depths[b])]
                 for b in live]  # fmt: skip
         dev = self.kv.k[0].device
-        ops.kv_commit(self.kv.k + self.kv.v, torch.tensor(rows, device=dev),
-                      torch.tensor(starts, device=dev), _pad(kept, -1, dev))  # fmt: skip
+        args = torch.tensor(rows, device=dev), torch.tensor(starts, device=dev), _pad(kept, -1, dev)
+        if hasattr(self.model, "commit_kv"):  # its cache is sharded over ranks (MirroredSSM)
+            self.model.commit_kv(self.kv, *args)
+        else:
+            ops.kv_commit(self.kv.k + self.kv.v, *args)
         for row, start, k in zip(rows, starts, kept):
             self.cached[row] = start + len(k)
 

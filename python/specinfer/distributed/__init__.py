@@ -5,11 +5,13 @@ its shard: its pipeline stage's layers, its tensor-parallel slice of them."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from types import SimpleNamespace
 
 import torch
 
+from specinfer import ops
 from specinfer.distributed.workers import ShardSpec, WorkerError, Workers, build_shard, run_worker
 
 __all__ = ["WorkerError", "load_target", "ssm_view", "torchrun_rank"]
@@ -68,20 +70,49 @@ def load_target(path, dtype: torch.dtype, device: torch.device, tensor_parallel:
 
 
 def ssm_view(runner, ssm_specs) -> SimpleNamespace:
-    """What the drafters may use of a sharded target: its config and its whole embedding and
-    LM head (gathered once from the shards, for a compact SSM that shares them). A
-    layer-selected SSM would run the target's sharded layers on rank 0 alone: refused."""
+    """What the drafters may use of a sharded target: its config, its whole embedding and LM
+    head (gathered once from the shards, for a compact SSM that shares them), and
+    `layer_selected(n)`: a layer-selected SSM whose layers (the target's shards) run on every
+    rank (MirroredSSM). Under pipeline parallelism layer selection is refused."""
     specs = ssm_specs if isinstance(ssm_specs, (list, tuple)) else [ssm_specs]
-    for spec in specs:
-        if isinstance(spec, int) or str(spec).startswith("layers:"):
-            raise ValueError(
-                f"ssm {spec!r} (a layer-selected SSM) shares the target's layers, which "
-                "tensor and pipeline parallelism shard; use a separate SSM model or ngram"
-            )
+    layered = [s for s in specs if isinstance(s, int) or str(s).startswith("layers:")]
+    if layered and runner.par.pp > 1:
+        raise ValueError(
+            f"ssm {layered[0]!r} (a layer-selected SSM) would span pipeline stages; use a "
+            "separate SSM model or ngram with pipeline_parallel"
+        )
     embed, head = runner.gather_embeddings()
     tied = head is embed
     embed = torch.nn.Parameter(embed, requires_grad=False)
     head = embed if tied else torch.nn.Parameter(head, requires_grad=False)
-    return SimpleNamespace(config=runner.model.config,
+    config = runner.model.config
+    return SimpleNamespace(config=config,
                            model=SimpleNamespace(embed_tokens=SimpleNamespace(weight=embed)),
-                           lm_head=SimpleNamespace(weight=head))  # fmt: skip
+                           lm_head=SimpleNamespace(weight=head),
+                           layer_selected=lambda n: MirroredSSM(runner, n, config, head))  # fmt: skip
+
+
+class MirroredSSM:
+    """Rank 0's face of a layer-selected SSM over a tensor-parallel target: its cache, forwards
+    and commits run on every rank (ModelRunner.ssm_*: each rank's first n sharded layers and
+    its own cache for them); its logits on rank 0 alone, with the whole head."""
+
+    graph_safe = False
+
+    def __init__(self, runner, n: int, config, head: torch.Tensor):
+        self.runner, self.n = runner, n
+        self.config = dataclasses.replace(config, num_layers=n)
+        self.lm_head = SimpleNamespace(weight=head)
+
+    def make_kv_cache(self, rows: int, max_seq_len: int):
+        return self.runner._call("ssm_cache", self.n, rows, max_seq_len)
+
+    def __call__(self, input_ids, positions, kv, cache_rows, prefix_lens, tree_mask):
+        return self.runner._call("ssm_forward", self.n, input_ids, positions, cache_rows,
+                                 prefix_lens, tree_mask)  # fmt: skip
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return ops.linear(hidden, self.lm_head.weight).float()
+
+    def commit_kv(self, kv, rows, prefix, accepted) -> None:
+        self.runner._call("ssm_commit", self.n, rows, prefix, accepted)

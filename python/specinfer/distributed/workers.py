@@ -89,7 +89,9 @@ class Workers:
                 self.procs.append(p)
         atexit.register(self.close)
         self._stop = threading.Event()
-        threading.Thread(target=self._monitor, name="specinfer-tp-monitor", daemon=True).start()
+        threading.Thread(
+            target=self._monitor, name="specinfer-workers-monitor", daemon=True
+        ).start()
         try:
             self.group = connect(0, spec.tp, spec.pp, host, port, rank_device(spec.device, 0),
                                  STEP_TIMEOUT)  # fmt: skip
@@ -115,9 +117,7 @@ class Workers:
         try:
             self.group.send((op, args))
             return local()
-        except (dist.DistError, RuntimeError) as e:
-            if isinstance(e, ValueError):  # bad input: every rank raised it alike
-                raise
+        except (dist.DistError, RuntimeError) as e:  # not ValueError: bad input raises alike
             raise self.fail(e, "a collective or transfer between ranks failed") from e
 
     def fail(self, error: Exception, what: str) -> WorkerError:

@@ -34,6 +34,7 @@ class ModelRunner:
         self.graphs = GraphRunner(model)
         self.max_positions = model.config.max_position_embeddings
         self.cache = None
+        self.ssm_views, self.ssm_caches = {}, {}  # layer-selected SSMs (see ssm_cache)
 
     # --- primitives: what every rank runs ---
 
@@ -92,6 +93,29 @@ class ModelRunner:
                 shape = (self.model.config.vocab_size, embed.weight.shape[1])
                 head_w = par.recv_tensor(shape, embed.weight.dtype, par.rank_of(par.pp - 1), 0)
         return full, head_w
+
+    # A layer-selected SSM over a tensor-parallel target (distributed.MirroredSSM): its first
+    # n layers are this rank's shards; each rank keeps the SSM's cache for them.
+
+    def ssm_cache(self, n: int, rows: int, max_seq_len: int):
+        self.ssm_caches[n] = self._ssm(n).make_kv_cache(rows, max_seq_len)
+        return self.ssm_caches[n]
+
+    def ssm_forward(self, n: int, tokens, positions, rows, prefix, mask) -> torch.Tensor:
+        dev = self.device
+        return self._ssm(n)(tokens.to(dev), positions.to(dev), self.ssm_caches[n], rows.to(dev),
+                            prefix.to(dev), mask.to(dev))  # fmt: skip
+
+    def ssm_commit(self, n: int, rows, prefix, accepted) -> None:
+        kv, dev = self.ssm_caches[n], self.device
+        ops.kv_commit(kv.k + kv.v, rows.to(dev), prefix.to(dev), accepted.to(dev))
+
+    def _ssm(self, n: int):
+        from specinfer.speculator import layer_selected
+
+        if n not in self.ssm_views:
+            self.ssm_views[n] = layer_selected(self.model, n)
+        return self.ssm_views[n]
 
     def _pipelined(self, tokens, positions, table, prefix, mask, last):
         """This stage's part of a forward, micro-batch by micro-batch (see the docstring)."""
