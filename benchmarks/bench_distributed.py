@@ -37,11 +37,11 @@ def run(args, tp: int, threads: int, speculative: bool, prompts: list) -> dict:
                 max_batch_size=1, **kwargs) as engine:  # fmt: skip
         engine.generate(prompts[0], params)  # warm-up: graphs, costs
         group = engine.workers.group if engine.workers else None
-        comm0 = group.comm_s if group else 0.0
+        comm0 = group.total_comm_s if group else 0.0
         start = time.perf_counter()
         outs = [engine.generate(p, params)[0] for p in prompts]
         wall = time.perf_counter() - start
-        comm = (group.comm_s - comm0) if group else 0.0
+        comm = (group.total_comm_s - comm0) if group else 0.0
     tokens = sum(len(o.token_ids) for o in outs)
     decode_s = sum(o.metrics["decode_s"] for o in outs)
     steps = sum(o.metrics["steps"] for o in outs)
