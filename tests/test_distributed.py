@@ -318,3 +318,20 @@ def test_torchrun_ranks_serve_rank_0(tiny_pair, tmp_path):  # noqa: F811
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip().endswith(expected.strip()), done.stdout
+
+
+def test_a_worker_killed_mid_generation_is_an_error_within_the_deadline(tiny_pair):  # noqa: F811
+    """The kill lands while steps run: rank 0's collective fails (or the monitor sees the
+    death) and the stream raises WorkerError naming the worker, well within 30 s."""
+    engine = Engine(tiny_pair[0], dtype="float32", tensor_parallel=2)
+    worker = engine.workers.procs[0]
+    params = SamplingParams(max_tokens=120, ignore_eos=True)
+    start = None
+    with pytest.raises(WorkerError, match=r"worker 1"):
+        for i, _ in enumerate(engine.stream(PROMPT, params)):
+            if i == 3:
+                os.kill(worker.pid, signal.SIGKILL)
+                start = time.monotonic()
+    assert start is not None and time.monotonic() - start < 30
+    engine.close()
+    assert _no_workers_left()
