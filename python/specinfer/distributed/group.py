@@ -40,7 +40,10 @@ class TPGroup:
         ops.refuse_while_recording("all_reduce")  # a recorded graph would skip it
         start = time.perf_counter()
         wide = x.float() if x.dtype in (torch.bfloat16, torch.float16) and not x.is_cuda else x
-        self.pg.allreduce([wide]).wait()
+        if self.pg is None:  # torchrun's default group, not held (see current_group)
+            dist.all_reduce(wide)
+        else:
+            self.pg.allreduce([wide]).wait()
         if wide is not x:
             x.copy_(wide)
         self.comm_s += time.perf_counter() - start
@@ -51,7 +54,10 @@ class TPGroup:
         start = time.perf_counter()
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        self.pg.allgather([parts], [x]).wait()
+        if self.pg is None:
+            dist.all_gather(parts, x)
+        else:
+            self.pg.allgather([parts], [x]).wait()
         self.comm_s += time.perf_counter() - start
         return parts
 
@@ -133,7 +139,9 @@ def current_group() -> TPGroup:
     if _current is not None:
         return _current[0]
     if dist.is_available() and dist.is_initialized():
-        return TPGroup(dist.get_rank(), dist.get_world_size(), dist.group.WORLD)
+        # The default group is used through dist's functions, not held: a model that outlives
+        # destroy_process_group() must not keep the group object alive (it aborts at exit).
+        return TPGroup(dist.get_rank(), dist.get_world_size())
     return SINGLE
 
 
