@@ -3,7 +3,6 @@ output equals TP=1 and speculation under TP equals incremental decoding under TP
 follows the target's distribution; bad degrees are refused by name; a killed worker surfaces
 as an error on rank 0 within the step deadline and no process is left behind."""
 
-import json
 import multiprocessing
 import os
 import signal
@@ -23,6 +22,7 @@ from test_speculative import (  # noqa: F401
     _chi_squared_p,
     _last_logits,
     _sample_first3,
+    _tiny_llama,
     exact,
     tiny_pair,
 )
@@ -32,21 +32,7 @@ GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
 
 def _llama(path, vocab: int, heads: int, kv_heads: int, hidden: int = 32):
-    transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    torch.manual_seed(3)
-    cfg = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=128,
-        initializer_range=0.4, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
-    )  # fmt: skip
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({}))
-    return path
+    return _tiny_llama(path, seed=3, vocab=vocab, heads=heads, kv_heads=kv_heads, hidden=hidden)
 
 
 def _free_port() -> int:

@@ -21,19 +21,21 @@ VOCAB = 6
 PROMPT = [1, 4, 2]
 
 
-def _tiny_llama(path, seed: int, layers: int = 2):
+def _tiny_llama(path, seed: int, layers: int = 2, vocab: int = VOCAB, heads: int = 4,
+                kv_heads: int = 2, hidden: int = 32):  # fmt: skip
     """A random small-vocabulary Llama saved as an HF directory, with a word-level tokenizer."""
     transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        initializer_range=0.4, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=128, initializer_range=0.4, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None,
     )  # fmt: skip
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({}))
