@@ -1,15 +1,16 @@
-"""Tensor parallelism on this machine: ms/token and tokens/s of the default model at TP=1 and
-TP=N, incremental and speculative (the shipped SSM + prompt lookup), in one run.
+"""Tensor and pipeline parallelism on this machine: ms/token and tokens/s of the default model at
+TP=1, TP=N and PP=M, incremental and speculative (the shipped SSM + prompt lookup), in one run.
 
-    python benchmarks/bench_distributed.py [--tp 1 3] [--prompts 8] [--tokens 64]
+    python benchmarks/bench_distributed.py [--tp 1 3] [--pp 2] [--prompts 8] [--tokens 64]
                                            [--dtype bfloat16] [--out results/distributed.json]
 
 Each configuration decodes the same held-out chat prompts one at a time (batch 1, greedy) after
 one warm-up prompt. TP=1 runs twice: one process with as many threads as TP=N uses in all, and
-one with a single thread (what each TP rank gets). `comm_s` is rank 0's time in collectives
-and sends (waiting for its peers included): on a 2-core CPU, three 1-thread ranks contend for
-two cores, so expect communication and contention to dominate; the point here is correctness
-(every configuration's tokens are compared with TP=1's). Pipeline parallelism is not built yet.
+one with a single thread (what each rank gets). `comm_s` is rank 0's time in collectives, sends
+and receives, waiting for its peers included: under PP that wait is mostly the other stages'
+compute (batch 1 has one micro-batch, so the stages take turns). On a 2-core CPU, three 1-thread
+ranks contend for two cores, so expect communication and contention to dominate; the point here
+is correctness (every configuration's tokens are compared with TP=1's).
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ from specinfer import Engine, SamplingParams  # noqa: E402
 HERE = Path(__file__).parent
 
 
-def run(args, tp: int, threads: int, speculative: bool, prompts: list) -> dict:
+def run(args, tp: int, pp: int, threads: int, speculative: bool, prompts: list) -> dict:
     kwargs = {"ssm": ["default", "ngram"]} if speculative else {"mode": "incremental"}
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     with Engine(args.model, dtype=args.dtype, threads=threads, tensor_parallel=tp,
-                max_batch_size=1, **kwargs) as engine:  # fmt: skip
+                pipeline_parallel=pp, max_batch_size=1, **kwargs) as engine:  # fmt: skip
         engine.generate(prompts[0], params)  # warm-up: graphs, costs
         group = engine.workers.group if engine.workers else None
         comm0 = group.total_comm_s if group else 0.0
@@ -47,6 +48,7 @@ def run(args, tp: int, threads: int, speculative: bool, prompts: list) -> dict:
     steps = sum(o.metrics["steps"] for o in outs)
     return {
         "tensor_parallel": tp,
+        "pipeline_parallel": pp,
         "threads_per_rank": threads,
         "mode": "speculative" if speculative else "incremental",
         "ms_per_token": 1000 * decode_s / sum(len(o.token_ids) - 1 for o in outs),
@@ -59,10 +61,15 @@ def run(args, tp: int, threads: int, speculative: bool, prompts: list) -> dict:
     }
 
 
+def _name(r: dict) -> str:
+    pp = r.get("pipeline_parallel", 1)
+    return f"TP={r['tensor_parallel']}" + (f" PP={pp}" if pp > 1 else "")
+
+
 def draw(result: dict, plt):
     rows = result["runs"]
     fig, ax = plt.subplots(figsize=(8, 4))
-    labels = [f"TP={r['tensor_parallel']} x{r['threads_per_rank']}t\n{r['mode'][:4]}" for r in rows]
+    labels = [f"{_name(r)} x{r['threads_per_rank']}t\n{r['mode'][:4]}" for r in rows]
     bars = ax.bar(range(len(rows)), [r["ms_per_token"] for r in rows],
                   color=["tab:blue" if r["mode"] == "incremental" else "tab:orange" for r in rows])  # fmt: skip
     for bar, r in zip(bars, rows):
@@ -70,7 +77,7 @@ def draw(result: dict, plt):
                 f"comm {100 * r['comm_fraction']:.0f}%", ha="center", va="bottom", fontsize=8)  # fmt: skip
     ax.set_xticks(range(len(rows)), labels, fontsize=8)
     ax.set_ylabel("ms per token (batch 1)")
-    ax.set_title(f"tensor parallelism, {result['settings']['dtype']}, {os.cpu_count()} cores")
+    ax.set_title(f"tensor and pipeline parallelism, {result['settings']['dtype']}, {os.cpu_count()} cores")
     return fig
 
 
@@ -79,28 +86,36 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 3])
+    ap.add_argument("--pp", type=int, nargs="+", default=[2])
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompts-file", default=str(HERE / "data" / "held_out.jsonl"))
     ap.add_argument("--out", default=str(HERE / "results" / "distributed.json"))
     args = ap.parse_args()
     prompts = load_prompts(args.prompts, args.prompts_file, chat=True)
-    widest = max(args.tp)
+    widest = max(args.tp + args.pp)
     cores = os.cpu_count() or 1
-    configs = [(1, max(1, min(cores, widest))), (1, 1)] + [(tp, 1) for tp in args.tp if tp > 1]
+    configs = [(1, 1, max(1, min(cores, widest))), (1, 1, 1)]
+    configs += [(tp, 1, 1) for tp in args.tp if tp > 1] + [(1, pp, 1) for pp in args.pp if pp > 1]
     runs = []
-    for tp, threads in configs:
+    for tp, pp, threads in configs:
         for speculative in (False, True):
-            r = run(args, tp, threads, speculative, prompts)
-            print(f"TP={tp} x {threads} thread(s) {r['mode']:11s}: {r['ms_per_token']:.1f} "
+            r = run(args, tp, pp, threads, speculative, prompts)
+            print(f"{_name(r)} x {threads} thread(s) {r['mode']:11s}: {r['ms_per_token']:.1f} "
                   f"ms/token, {r['tokens_per_s']:.1f} tokens/s, {r['tokens_per_step']:.2f} "
                   f"tokens/step, comm {100 * r['comm_fraction']:.0f}%")  # fmt: skip
             runs.append(r)
     reference = runs[0]["token_ids"]
+    for r, incremental in zip(runs, [r for r in runs for _ in (0, 1) if r["mode"] == "incremental"]):
+        same = lambda outs: sum(a == b for a, b in zip(r["token_ids"], outs))  # noqa: E731
+        r["identical_to_tp1"] = same(reference)
+        # Speculation must not change a configuration's own tokens (bf16 sums in another order
+        # may change them vs TP=1: see the near-tie counts of tests/test_distributed.py).
+        r["identical_to_incremental"] = same(incremental["token_ids"])
+        print(f"{_name(r)} x {r['threads_per_rank']}t {r['mode']}: {r['identical_to_tp1']}/"
+              f"{len(prompts)} outputs identical to TP=1 incremental, "
+              f"{r['identical_to_incremental']} to incremental in the same configuration")  # fmt: skip
     for r in runs:
-        r["identical_to_tp1"] = sum(a == b for a, b in zip(r["token_ids"], reference))
-        print(f"TP={r['tensor_parallel']} {r['mode']}: {r['identical_to_tp1']}/{len(prompts)} "
-              "outputs identical to TP=1 incremental")  # fmt: skip
         del r["token_ids"]
     settings = {"model": args.model, "dtype": args.dtype, "prompts": len(prompts),
                 "tokens": args.tokens, "cores": cores, "torch": torch.__version__}  # fmt: skip
