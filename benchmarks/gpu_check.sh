@@ -116,7 +116,7 @@ else
   "$PY" -c "import specinfer._C as c; print('specinfer._C from', c.__file__, c.backends())"
   SPECINFER_EXPECT_CUDA=1 stage tests 150 "$PY" -m pytest -q -p no:cacheprovider -m gpu \
     tests/test_ops.py tests/test_spec_ops.py tests/test_paged_ops.py tests/test_cuda_sampling.py \
-    tests/test_speculative.py
+    tests/test_speculative.py tests/test_offload.py
   if ((gpus > 1)); then # tensor parallelism over NCCL
     stage tensor_parallel 90 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_distributed.py
   else
@@ -131,6 +131,9 @@ if ((bench_built)); then
 fi
 if ((python_ok)); then
   stage sdpa 120 "$PY" benchmarks/bench_sdpa_gpu.py --out "$OUT_DIR/sdpa.json"
+  # Offloading on the GPU: resident vs offload="cpu" (pinned host memory) and "disk".
+  stage offload 120 "$PY" benchmarks/bench_offload.py --device cuda --prompts 2 --tokens 32 \
+    --trees --out "$OUT_DIR/offload.json"
 fi
 python3 benchmarks/gpu_check_summary.py --bench "$OUT_DIR/bench_cuda.json" \
   --sdpa "$OUT_DIR/sdpa.json" --out "$OUT_DIR/summary.json" || failed+=("microbenchmarks")

@@ -121,6 +121,47 @@ def test_untimed_widths_are_priced_optimistically():
     assert budget.estimate(1, 4) == pytest.approx(0.75 * 0.040 + 0.25 * 0.080)
 
 
+def test_untimed_widths_between_and_beyond_timed_ones_follow_their_lines():
+    budget = TreeBudget()
+    for rows, seconds in ((1, 0.020), (4, 0.026), (8, 0.040)):
+        budget.cost[rows] = seconds
+    assert budget.estimate(1, 2) == pytest.approx(0.022)  # between 1 and 4 rows
+    assert budget.estimate(3, 2) == pytest.approx(0.033)  # 6 rows: between 4 and 8
+    assert budget.estimate(1, 16) == pytest.approx(0.040 + 8 * 0.0035)  # the 4 -> 8 slope on
+    budget.cost = {1: 0.050, 2: 0.040}  # a falling line (noise) is not followed down
+    assert budget.estimate(1, 6) == pytest.approx(0.040)
+
+
+def _sized(streamed: bool) -> TreeBudget:
+    """A budget that has timed its forwards: target rows nearly free (weights streamed, the
+    forward bound by a 200 ms read) or costly (resident on a CPU: 20 ms + 6 ms a row)."""
+    budget = TreeBudget()
+    budget.rest, budget.level_s = 0.001, {0: 0.002}
+    for rows in (1, 2, 4, 8, 16, 32, 64):
+        budget.cost[rows] = max(0.200, 0.010 + 0.006 * rows) if streamed else 0.014 + 0.006 * rows
+    for depth in range(1, 9):  # the drafter's nodes are accepted 6 times in 10 at every depth
+        budget.tested[(0, depth)], budget.accepted[(0, depth)] = 100.0, 60.0
+    return budget
+
+
+def test_sized_trees_grow_where_rows_are_cheap_and_stay_shallow_where_they_cost():
+    widths = (2, 2, 2, 1, 1, 1, 1, 1)
+    deep, shallow = _sized(streamed=True).depth(0, widths, 1), _sized(False).depth(0, widths, 1)
+    assert deep >= 4 and shallow <= 2, (deep, shallow)
+    # A batch of 16 makes every row count (16 rows a level): the tree shrinks.
+    assert _sized(streamed=True).depth(0, widths, 16) < deep
+    # Nothing timed: the whole tree is drafted, to learn what it costs.
+    assert TreeBudget().depth(0, widths, 1) == len(widths)
+
+
+def test_sized_levels_are_timed_per_request_and_level():
+    budget = TreeBudget()
+    budget.time_levels(0, 3, 0.016, 2)  # 3 levels + the forward under the root, 2 requests
+    assert budget.level_s[0] == pytest.approx(0.002)
+    budget.time_levels(0, 0, 5.0, 2)  # nothing drafted: nothing learned
+    assert budget.level_s[0] == pytest.approx(0.002)
+
+
 def test_a_drafter_whose_nodes_are_all_cut_stops_and_is_retried_ever_less_often():
     def draft(run):  # drafter 0 proposes 1 2 3, drafter 1 (when it drafts) 4 5 6
         tree = _chain([1, 2, 3], source=0)

@@ -27,6 +27,13 @@ expected tokens per second against plain decoding's, which drafts nothing: where
 would have been faster, the step counts as one with every node cut for all its drafters. When
 all drafters stop, a step is plain decoding: no SSM forward at all. Lossless for the same
 reason as the cut.
+
+An SSM given no tree config drafts a tree whose depth is chosen here too, each step, from the
+same costs (`depth`): its tree's levels have known widths, so the expected tokens of its k best
+nodes follow from the rates, and a step drafting d levels costs d SSM levels (timed per SSM)
+plus the target forward at width 1 + k. Where extra rows are nearly free (weights streamed from
+disk, a GPU) trees grow deep; where each row costs (this CPU, resident), they stay shallow.
+Seeded sampling requests draft SEEDED_DEPTH levels: a fixed shape, whatever the timings.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ DECAY = 0.98  # weight of the past per observed step: rates follow the text bein
 SMOOTH = 0.25  # weight of the newest timing of a width
 PATIENCE = 4  # drafted steps with every node cut before a drafter stops drafting
 EXPLORE = (2, 64)  # skipped steps before a stopped drafter drafts again: first, and at most
+SEEDED_DEPTH = 1  # levels a sized SSM drafts for a seeded sampling request
 
 
 class TreeBudget:
@@ -51,6 +59,7 @@ class TreeBudget:
         self._seen: set[tuple[int, int]] = set()  # shapes timed once (that run recorded a graph)
         self.rest = 0.0  # seconds a step spends outside the target forward and the drafting
         self.drafting = 0.0  # seconds per request a step that drafts spends drafting
+        self.level_s: dict[int, float] = {}  # drafter -> seconds per request of one level
         # Expected accepted tokens per request with its k best nodes (index k - 1), averaged
         # over recent drafted trees: what drafting would gain at a width, before drafting.
         self.curve: list[float] = []
@@ -178,18 +187,58 @@ class TreeBudget:
                 return True
         return False
 
+    def depth(self, drafter: int, widths: tuple[int, ...], batch: int) -> int:
+        """How many levels of its tree (widths per level) `drafter` should draft this step for
+        `batch` requests: the depth of the node count k that maximises expected tokens per
+        second, k nodes taken best first (level by level: values only fall with depth), at
+        least 1 (whether to draft at all is `drafts`'). Untried depths and widths are priced
+        optimistically (`rates` lean on the depth above, `estimate` on what was timed), so
+        they get tried once and then priced by what they cost."""
+        rates = self.rates(drafter, len(widths))
+        level_s = self.level_s.get(drafter, 0.0) * batch  # a level's forward, for the batch
+        best, best_score = len(widths), -1.0
+        gain, nodes, value, count = 0.0, 0, 1.0, 1
+        for d, (width, rate) in enumerate(zip(widths, rates), start=1):
+            value, count = value * rate, count * width
+            for _ in range(count):
+                nodes, gain = nodes + 1, gain + value
+                seconds = self.rest + (d + 1) * level_s + self.estimate(batch, 1 + nodes)
+                if seconds <= 0:
+                    return len(widths)  # nothing timed yet: draft it all and learn
+                if (1 + gain) / seconds > best_score:
+                    best, best_score = d, (1 + gain) / seconds
+        return best
+
+    def time_levels(self, drafter: int, levels: int, seconds: float, batch: int) -> None:
+        """Record that `drafter` drafted `levels` levels for `batch` requests in `seconds` (a
+        draft runs one forward more: the tokens accepted since the last one, under the root)."""
+        if levels > 0:
+            per = seconds / ((levels + 1) * batch)
+            old = self.level_s.get(drafter)
+            self.level_s[drafter] = per if old is None else (1 - SMOOTH) * old + SMOOTH * per
+
     def estimate(self, batch: int, width: int) -> float:
         """The target forward's time for `batch` trees padded to `width`, priced by its rows
         (batch x width: the linear layers' work), so timings carry over between batch sizes as
-        requests join and leave: measured at that row count, else a lower bound, which makes
-        an untried count look attractive until it has been tried: a forward costs at least what
-        one of fewer rows costs, and, per row, at least what one of more rows costs per row."""
+        requests join and leave: measured at that row count; between two measured counts, on
+        the line through them; past the largest, on the line through the two largest (no
+        steeper than flat); else a lower bound (a forward costs at least what one of fewer rows
+        costs, and, per row, at least what one of more rows costs per row). Once a count has
+        run, it is priced by what it cost."""
         rows = batch * width
         if rows in self.cost:
             return self.cost[rows]
-        below = [c for r, c in self.cost.items() if r < rows]
-        above = [c * rows / r for r, c in self.cost.items() if r > rows]
-        return max(below + above, default=0.0)
+        below = sorted(r for r in self.cost if r < rows)
+        above = sorted(r for r in self.cost if r > rows)
+        if below and above:
+            lo, hi = below[-1], above[0]
+            return self.cost[lo] + (self.cost[hi] - self.cost[lo]) * (rows - lo) / (hi - lo)
+        if len(below) >= 2:
+            lo, hi = below[-2], below[-1]
+            slope = max(0.0, (self.cost[hi] - self.cost[lo]) / (hi - lo))
+            return self.cost[hi] + slope * (rows - hi)
+        bounds = [self.cost[r] for r in below] + [self.cost[r] * rows / r for r in above]
+        return max(bounds, default=0.0)
 
     def observe(self, trees: list[TokenTree], paths: list[list[int]]) -> None:
         """Learn from a verification: every node whose parent was accepted was tested."""

@@ -62,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument(
         "--tree",
         default=None,
-        help="expansion config of the model SSMs, e.g. 1,1,3,1 (default: 1 for the shipped SSM, "
-        "else the paper's 1,1,3,1,1,1,1,1)",
+        help="expansion config of the model SSMs, e.g. 1,1,3,1 (default: a tree drafted as deep "
+        "as the measured costs pay for, up to 2,2,2,1,1,1,1,1; with --whole-trees: 1 for the "
+        "shipped SSM, else the paper's 1,1,3,1,1,1,1,1)",
     )
     gen.add_argument(
         "--mode",
@@ -95,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="split the layers into M stages, one process (or TP group) each (default 1)",
     )
+    add_offload_args(gen)
     gen.add_argument("--stats", action="store_true", help="print decoding statistics to stderr")
     gen.add_argument(
         "--chat",
@@ -187,6 +189,7 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument(
         "--pipeline-parallel", type=int, default=1, help="as for generate (default: 1)"
     )
+    add_offload_args(serve)
     serve.add_argument("--max-batch-size", type=int, default=16, help="requests run at once")
     serve.add_argument(
         "--max-model-len",
@@ -209,6 +212,27 @@ def _add_serve_parser(sub) -> None:
     )
     serve.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+
+
+def add_offload_args(parser) -> None:
+    parser.add_argument(
+        "--offload",
+        choices=["disk", "cpu"],
+        default=None,
+        help="stream the target's layers each forward: from a file (disk; written once) or, on "
+        "CUDA, from pinned host memory (cpu); default: weights resident",
+    )
+    parser.add_argument(
+        "--offload-dir",
+        default=None,
+        help="folder of the offloaded layer files (default: ~/.cache/specinfer/offload)",
+    )
+    parser.add_argument(
+        "--resident-layers",
+        type=int,
+        default=0,
+        help="with --offload: keep the first N layers resident (default 0)",
     )
 
 
@@ -241,7 +265,9 @@ def engine_from_args(args, **serving):
                   ssm=ssm, tree=args.tree, mode=args.mode, ssm_head=args.ssm_head,
                   adaptive_tree=not args.whole_trees, max_tree_nodes=args.max_tree_nodes,
                   tensor_parallel=args.tensor_parallel,
-                  pipeline_parallel=args.pipeline_parallel, **serving)  # fmt: skip
+                  pipeline_parallel=args.pipeline_parallel, offload=args.offload,
+                  offload_dir=args.offload_dir, resident_layers=args.resident_layers,
+                  **serving)  # fmt: skip
 
 
 def _format_stats(m: dict) -> str:
@@ -256,6 +282,9 @@ def _format_stats(m: dict) -> str:
             f"; {s['name']}: {s['accepted']} accepted, {1000 * s['ssm_s']:.0f} ms"
             for s in m.get("per_ssm", [])
         )  # fmt: skip
+        + (f"; weights streamed: {m['weight_bytes'] / max(1, tokens) / 1e6:.1f} MB/token, "
+           f"{1000 * m['stream_wait_s']:.0f} ms waited for them"
+           if m.get("weight_bytes") else "")  # fmt: skip
         + "]"
     )
 

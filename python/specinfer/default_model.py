@@ -72,10 +72,10 @@ def _fetch(target: Path) -> None:
 
 
 # The SSM distilled from the default model by `specinfer train-ssm --compact` (its layers only: it
-# shares the target's embeddings), shipped inside the package, and the tree it drafts by default:
-# one token. On the 2-core CPU this was measured on (bench_spec.py --sections paired), a target
-# forward over more than 3 tree nodes costs more than the extra accepted tokens win back; deeper
-# trees pay where extra rows are nearly free (a GPU): pass tree= to use one.
+# shares the target's embeddings), shipped inside the package. Under the cost-aware budget it
+# drafts drafting.SIZED_TREE as deep as pays each step; with whole trees (no costs to size by)
+# it drafts one token: on the 2-core CPU this was measured on (bench_spec.py --sections paired),
+# a target forward over more than 3 tree nodes costs more than the extra tokens win back.
 DEFAULT_SSM_DIR = Path(__file__).parent / "default_ssm"
 DEFAULT_SSM_TREE = "1"
 

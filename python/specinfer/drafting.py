@@ -21,6 +21,10 @@ from specinfer.speculator import load_speculator
 from specinfer.tree import TokenTree, TreeConfig, merge_trees
 
 DEFAULT_HEAD = 8192  # tokens of head_tokens.json used when ssm_head is not given
+# The tree an SSM given no tree config drafts under the cost-aware budget, to the depth that
+# pays each step (budget.TreeBudget.depth); the cut then keeps its nodes that pay. Two
+# candidates a level near the root, where they are most often needed, a chain below.
+SIZED_TREE = TreeConfig((2, 2, 2, 1, 1, 1, 1, 1))
 
 
 class Drafter:
@@ -104,12 +108,14 @@ def _own_path(path: list[int], merged_of: list[int]) -> list[int]:
 
 
 def build_drafter(specs, trees, target: nn.Module, target_path: Path, dtype, device,
-                  head: int | None, chains: bool) -> Drafter:  # fmt: skip
+                  head: int | None, chains: bool, sized: bool = False) -> Drafter:  # fmt: skip
     """SSMs from specs (a model path, int L / "layers:L", "default" for the SSM shipped for the
     default model, or an n-gram spec "ngram[:k=v,...]"),
     each with its tree config (`trees`: one for all, or a list per SSM; None at n-gram entries).
     `head`: the neural SSMs' LM head vocabulary (see `head_token_ids`). `chains`: sequence mode,
-    every SSM drafts a chain."""
+    every SSM drafts a chain. `sized`: a neural SSM given no tree drafts SIZED_TREE to the
+    depth the cost-aware budget chooses each step (budget.TreeBudget.depth); without it, the
+    default SSM drafts DEFAULT_SSM_TREE and the others TreeConfig()."""
     specs = list(specs) if isinstance(specs, list | tuple) else [specs]
     if not specs:
         raise ValueError("ssm list is empty")
@@ -131,15 +137,29 @@ def build_drafter(specs, trees, target: nn.Module, target_path: Path, dtype, dev
                 config = NgramConfig(config.max_n, config.min_n, config.depth, 1)
             ssms.append(NgramDrafter(config, name=spec))
             continue
+        grows = sized and tree is None and not chains
         if spec == "default":
-            spec, tree = default_ssm_path(target_path), tree or DEFAULT_SSM_TREE
+            spec = default_ssm_path(target_path)
+            tree = tree or (None if grows else DEFAULT_SSM_TREE)
+        if grows:
+            tree = SIZED_TREE
         tree = TreeConfig.parse(tree) if isinstance(tree, str) else tree or TreeConfig()
         if chains:
             tree = TreeConfig((1,) * tree.depth, tree.max_nodes, tree.sample_children)
         ssm = load_speculator(spec, target, target_path, tree, dtype, device)
+        ssm.sized = grows
         ssm.restrict_head(head_token_ids(spec, head, target.config.vocab_size))
         ssms.append(ssm)
     return Drafter(ssms)
+
+
+def selected_layers(specs) -> int:
+    """The most target layers a layer-selected SSM among `specs` uses (0: none)."""
+    specs = specs if isinstance(specs, list | tuple) else [specs]
+    counts = [s if isinstance(s, int) and not isinstance(s, bool) else
+              int(s.removeprefix("layers:")) if isinstance(s, str) and s.startswith("layers:")
+              and s.removeprefix("layers:").isdigit() else 0 for s in specs]  # fmt: skip
+    return max(counts, default=0)
 
 
 def head_token_ids(spec, n: int | None, vocab_size: int) -> list[int] | None:

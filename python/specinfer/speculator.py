@@ -52,6 +52,7 @@ class Speculator:
         self.run_model = GraphRunner(model)
         self.tree = tree
         self.name = name
+        self.sized = False  # drafts to the depth the budget chooses (drafting.SIZED_TREE)
         self.kv = None
         self.cached: list[int] = []  # per cache row: tokens of the request in the SSM's cache
         self.head_ids: torch.Tensor | None = None  # the LM head's vocabulary subset, if any

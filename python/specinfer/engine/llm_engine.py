@@ -19,7 +19,7 @@ import torch
 from specinfer.budget import TreeBudget
 from specinfer.default_model import default_model_path
 from specinfer.distributed import load_target, ssm_view
-from specinfer.drafting import build_drafter
+from specinfer.drafting import build_drafter, selected_layers
 from specinfer.engine.kv_manager import BLOCK_LEN, KVManager
 from specinfer.engine.model_runner import ModelRunner
 from specinfer.engine.output import append_tokens
@@ -27,6 +27,7 @@ from specinfer.engine.scheduler import Scheduler
 from specinfer.engine.sequence import Completion, RequestOutput
 from specinfer.engine.sequence import Sequence as Seq
 from specinfer.engine.spec_step import sample, speculative_step
+from specinfer.offload import check_mode, offload_model
 from specinfer.sampling import SamplingParams
 from specinfer.streaming import TextStream
 from specinfer.tokenizer import TokenizerWrapper
@@ -59,6 +60,9 @@ class Engine:
         max_tree_nodes: int | None = None,
         tensor_parallel: int = 1,
         pipeline_parallel: int = 1,
+        offload: str | None = None,
+        offload_dir: str | Path | None = None,
+        resident_layers: int = 0,
     ):
         """mode: "incremental" (no SSM), "sequence" (chains as deep as the trees) or "tree"
         (default when an SSM is given). ssm: a model path sharing the target's tokenizer, an
@@ -87,7 +91,12 @@ class Engine:
         as threads; gloo on CPU, NCCL for TP on CUDA), or under torchrun the processes it
         started (rank 0 builds the Engine, on the other ranks `Engine(...)` serves rank 0 and
         then exits). SSMs run on rank 0, whole. `close()` (or `with Engine(...)`) stops the
-        workers; so does the interpreter's exit."""
+        workers; so does the interpreter's exit.
+
+        offload: "disk" streams the target's layers from a file each forward (written once, in
+        the engine's dtype, to offload_dir, default ~/.cache/specinfer/offload), "cpu" (CUDA)
+        from pinned host memory; the first resident_layers layers (and those a layer-selected
+        SSM uses) stay resident, as do embeddings, head, KV cache and SSMs (see offload.py)."""
         if threads is not None:
             torch.set_num_threads(threads)
         for name, value in (("max_batch_size", max_batch_size),
@@ -111,10 +120,17 @@ class Engine:
         if self.mode != "incremental" and ssm is None:
             raise ValueError(f"mode {self.mode!r} needs an ssm (a model path, layers:L or ngram)")
         self.model_path = path
+        _check_offload(offload, resident_layers, self.device, tensor_parallel, pipeline_parallel)
+        # An offloaded model is loaded on the CPU: its layers never need to fit on the GPU.
+        load_on = torch.device("cpu") if offload else self.device
         self.model, self.workers = load_target(
-            path, self.dtype, self.device, tensor_parallel, threads, pipeline_parallel
+            path, self.dtype, load_on, tensor_parallel, threads, pipeline_parallel
         )
         try:
+            if offload:
+                resident = max(resident_layers, selected_layers(ssm) if ssm is not None else 0)
+                offload_model(self.model, offload, self.device, path, offload_dir, resident)
+                self.model.to(self.device)
             self._build(path, ssm, tree, ssm_head, adaptive_tree, max_tree_nodes, max_model_len,
                         kv_budget, max_batch_size, max_tokens_per_step, verifier)  # fmt: skip
         except BaseException:
@@ -133,7 +149,8 @@ class Engine:
         if self.mode != "incremental":
             target = ssm_view(self.runner, ssm) if self.workers else self.model
             self.drafter = build_drafter(ssm, tree, target, path, self.dtype, self.device,
-                                         ssm_head, chains=self.mode == "sequence")  # fmt: skip
+                                         ssm_head, chains=self.mode == "sequence",
+                                         sized=adaptive_tree)  # fmt: skip
             self.budget = TreeBudget() if adaptive_tree else None
         self.max_tree_nodes = _max_tree_nodes(max_tree_nodes, self.drafter)
         self.context = self.config.max_position_embeddings
@@ -216,6 +233,7 @@ class Engine:
         prefill the next prompt chunks, finish what is done. Returns what each request gained."""
         plan = self.scheduler.schedule()
         outputs = []
+        streamed = self.runner.streamed()
         if plan.decode:
             if self.drafter is None:
                 t0 = time.perf_counter()
@@ -227,12 +245,14 @@ class Engine:
                 new, trees = speculative_step(plan.decode, self.kv, self.runner, self.drafter,
                                               self.budget, self.verifier, self.max_tree_nodes)  # fmt: skip
                 self._count_speculation(trees, new)
+            streamed = self.runner.charge_streaming(plan.decode, streamed)
             for s, tokens in zip(plan.decode, new):
                 s.metrics["steps"] += 1
                 outputs.append(self._append(s, tokens))
         if plan.prefill:
             t0 = time.perf_counter()
             logits = self.runner.prefill(self.kv, plan.prefill)
+            self.runner.charge_streaming([s for s, _ in plan.prefill], streamed)
             for (s, _), lg in zip(plan.prefill, logits):
                 s.metrics["prefill_s"] += time.perf_counter() - t0
                 if lg is not None and not s.output_ids:  # the prompt is cached: its first token
@@ -298,9 +318,13 @@ class Engine:
         return self.workers.failure if getattr(self, "workers", None) else None
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers (if any); the engine cannot step afterwards."""
+        """Stop the tensor-parallel workers and the offloading reader (if any); the engine
+        cannot step afterwards."""
         if getattr(self, "workers", None) is not None:
             self.workers.close()
+        streamer = getattr(getattr(self, "model", None), "layer_streamer", None)
+        if streamer is not None:
+            streamer.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -394,6 +418,22 @@ class Engine:
 COUNTERS = ("prompt_tokens_total", "generation_tokens_total", "preemptions_total",
             "spec_steps_total", "spec_drafts_total", "spec_draft_tokens_total",
             "spec_accepted_tokens_total", "spec_emitted_tokens_total")  # fmt: skip
+
+
+def _check_offload(offload, resident_layers, device: torch.device, tp: int, pp: int) -> None:
+    if offload is None:
+        if resident_layers != 0:
+            raise ValueError(f"resident_layers applies with offload='cpu' or 'disk', got "
+                             f"resident_layers={resident_layers!r} and no offload")  # fmt: skip
+        return
+    check_mode(offload, device)
+    if not isinstance(resident_layers, int) or isinstance(resident_layers, bool) or (
+        resident_layers < 0
+    ):
+        raise ValueError(f"resident_layers must be an integer >= 0, got {resident_layers!r}")
+    if tp != 1 or pp != 1:
+        raise ValueError(f"offload is not supported with tensor_parallel={tp} / "
+                         f"pipeline_parallel={pp} yet: use one or the other")  # fmt: skip
 
 
 def _max_model_len(value: int | None, context: int) -> int:

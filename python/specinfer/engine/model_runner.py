@@ -35,6 +35,8 @@ class ModelRunner:
         self.max_positions = model.config.max_position_embeddings
         self.cache = None
         self.ssm_views, self.ssm_caches = {}, {}  # layer-selected SSMs (see ssm_cache)
+        self.streamer = getattr(model, "layer_streamer", None)  # offloaded layers (offload.py)
+        self.forwards = 0  # target forwards run (rank 0)
 
     # --- primitives: what every rank runs ---
 
@@ -204,6 +206,7 @@ class ModelRunner:
             valid[:, None, :] | torch.eye(T, dtype=torch.bool)
         )
         prefix_t = torch.tensor(prefix)
+        self.forwards += 1
         return self._call("forward", _pad(chains, 0), prefix_t[:, None] + steps, kv.table(seqs),
                           prefix_t, mask, lengths - 1)  # fmt: skip
 
@@ -222,6 +225,7 @@ class ModelRunner:
             mask[b, : len(tree), : len(tree)] = tree.ancestor_mask()
         positions = [[p + d for d in tree.depths] + [p] * (T - len(tree))
                      for p, tree in zip(prefix, trees)]  # fmt: skip
+        self.forwards += 1
         return self._call("forward", _pad([tree.tokens for tree in trees], 0),
                           torch.tensor(positions), kv.table(seqs), torch.tensor(prefix), mask,
                           None)  # fmt: skip
@@ -230,6 +234,23 @@ class ModelRunner:
                      paths: list[list[int]]) -> None:  # fmt: skip
         """Keep each sequence's accepted tree path (node ids) in its cache after `prefix`."""
         self._call("commit", kv.table(seqs), torch.tensor(prefix), _pad(paths, -1))
+
+
+    def streamed(self) -> tuple[int, float, float]:
+        """The offloaded layers' (bytes streamed, reading seconds, waiting seconds) so far."""
+        s = self.streamer
+        return (s.bytes, s.read_s, s.wait_s) if s is not None else (0, 0.0, 0.0)
+
+    def charge_streaming(self, seqs: list[Sequence], since: tuple) -> tuple[int, float, float]:
+        """Share what was streamed since `since` among `seqs` (they shared its forwards): their
+        weight_bytes, stream_s (reading) and stream_wait_s (forwards waiting for weights)."""
+        now = self.streamed()
+        if seqs and now != since:
+            share = [(a - b) / len(seqs) for a, b in zip(now, since)]
+            for s in seqs:
+                for key, value in zip(("weight_bytes", "stream_s", "stream_wait_s"), share):
+                    s.metrics[key] += value
+        return now
 
 
 def _pad(seqs: list[list[int]], value: int) -> torch.Tensor:

@@ -65,7 +65,8 @@ class Sequence:
         # Decode steps (target forwards after prefill), time per phase, and how often a node
         # at each tree depth was accepted.
         self.metrics = {"prefill_s": 0.0, "steps": 0, "ssm_s": 0.0, "target_s": 0.0, "verify_s": 0.0,
-                        "commit_s": 0.0, "tree_nodes": 0, "accepted_per_depth": [], "per_ssm": []}  # fmt: skip
+                        "commit_s": 0.0, "tree_nodes": 0, "accepted_per_depth": [], "per_ssm": [],
+                        "weight_bytes": 0.0, "stream_s": 0.0, "stream_wait_s": 0.0}  # fmt: skip
 
     @property
     def num_tokens(self) -> int:

@@ -12,7 +12,7 @@ import time
 import torch
 
 from specinfer import verify
-from specinfer.budget import must_draft
+from specinfer.budget import SEEDED_DEPTH, must_draft
 from specinfer.engine.model_runner import ModelRunner
 from specinfer.engine.sequence import Sequence
 from specinfer.sampling import next_token, probabilities
@@ -30,11 +30,21 @@ def speculative_step(seqs: list[Sequence], kv, runner: ModelRunner, drafter, bud
     max_depths = [s.max_len - len(seq) - 1 for s, seq in zip(seqs, tokens)]
     n = len(drafter.ssms)
     run = budget.drafts(n, len(seqs)) if budget else frozenset(range(n))
-    # Per SSM, each request's depth; 0 (no draft) where the budget leaves that SSM out.
-    depths = [[d if i in run or must_draft(s.params) else 0 for s, d in zip(seqs, max_depths)]
-              for i in range(n)]  # fmt: skip
+    # Per SSM, each request's depth: 0 (no draft) where the budget leaves that SSM out; an SSM
+    # sized by the budget drafts as deep as pays (a seeded request: a fixed depth).
+    depths = []
+    for i, ssm in enumerate(drafter.ssms):
+        sized = getattr(ssm, "sized", False) and budget is not None
+        cap = budget.depth(i, ssm.tree.widths, len(seqs)) if sized and i in run else None
+        depths.append([min(d, SEEDED_DEPTH) if sized and must_draft(s.params) else
+                       (min(d, cap) if cap else d) if i in run or must_draft(s.params) else 0
+                       for s, d in zip(seqs, max_depths)])  # fmt: skip
     t0 = time.perf_counter()
     trees = drafter.draft(seqs, tokens, depths)
+    if budget:
+        for i, (ssm, caps) in enumerate(zip(drafter.ssms, depths)):
+            if getattr(ssm, "sized", False):
+                budget.time_levels(i, max(caps), drafter.last_times[i], len(seqs))
     if max_nodes is not None and any(len(t) > max_nodes for t in trees):
         trees = drafter.keep([list(range(min(len(t), max_nodes))) for t in trees])
     if budget and run:

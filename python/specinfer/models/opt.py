@@ -141,6 +141,9 @@ class OPTForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.model.decoder.layers
+
     def make_kv_cache(self, rows: int, max_seq_len: int, dtype: torch.dtype | None = None):
         attn = self.model.decoder.layers[0].self_attn
         weight = self.lm_head.weight
