@@ -4,6 +4,7 @@
                                      [--rates 1 2 4] [--requests 32] [--max-tokens 64]
                                      [--temperature 0] [--max-batch-size 16] [--server-args ARGS]
                                      [--endpoint chat|completions] [--prompts-file F] [--quick]
+                                     [--repeats N]
 
 - Each configuration starts `python -m specinfer.cli serve` as a subprocess on 127.0.0.1 (a free
   port; same model, --dtype, --threads, --max-batch-size; --server-args and the configuration's
@@ -37,6 +38,12 @@
   a line; if the default file is missing, benchmarks/data/make_prompts.py is run to build it,
   and if that fails a few built-in prompts are used; the JSON says which), sent as one user
   message to /v1/chat/completions (--endpoint completions: the raw prompt text).
+- --repeats N: N rounds over the configurations, each in a rotated order (round r starts with
+  configuration r mod count) and with a fresh server, so slow drift of the machine (this VM's
+  speed varies by 10-30% over minutes) spreads over every configuration instead of landing on
+  one. Each run records its round; the summary (printed, and `summary` in the JSON) gives per
+  configuration and load point the median output tokens/s over the rounds with its range, and
+  which configuration is best by median; the plot draws the medians, the rounds as dots.
 - --quick: a check that runs in about a minute or two (6 requests, concurrency 1 and 2,
   max_tokens 16, no rates) into benchmarks/results/serve_quick.json.
 Writes JSON (--out) with the settings and every run, and a PNG beside it; prints a line a run.
@@ -56,6 +63,7 @@ import random
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -120,6 +128,8 @@ def main() -> None:
     parser.add_argument("--startup-timeout", type=float, default=300.0)
     parser.add_argument("--stop-timeout", type=float, default=20.0,
                         help="seconds after SIGTERM before SIGKILL")  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds over the configurations, rotated (see above)")  # fmt: skip
     parser.add_argument("--quick", action="store_true",
                         help="6 requests, concurrency 1 2, max_tokens 16: proves it works")  # fmt: skip
     parser.add_argument("--out", default=None,
@@ -137,6 +147,8 @@ def main() -> None:
     if quick:
         args.warmup = min(args.warmup, 1)
     configs = parse_configs(args.configs)
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
     prompts, source = load_prompts(args.prompts_file)
     random.Random(args.seed).shuffle(prompts)
 
@@ -159,6 +171,7 @@ def main() -> None:
             "seed": args.seed,
             "concurrency": args.concurrency,
             "rates": args.rates,
+            "repeats": args.repeats,
             "warmup": args.warmup,
             "request_timeout_s": args.request_timeout,
             "run_deadline_s": args.run_deadline,
@@ -176,12 +189,22 @@ def main() -> None:
     print(f"prompts: {len(prompts)} ({source}); configs: {configs}")
     t_all = time.perf_counter()
     try:
-        for name, extra in configs.items():
-            result["configs"][name] = bench_config(name, extra, prompts, args)
+        order = list(configs.items())
+        for round_ in range(args.repeats):
+            k = round_ % len(order)
+            for name, extra in order[k:] + order[:k]:
+                entry = bench_config(name, extra, prompts, args, round_)
+                merged = result["configs"].setdefault(name, {**entry, "runs": []})
+                merged["runs"] += entry["runs"]
+                if "error" in entry:
+                    merged["error"] = entry["error"]
     except KeyboardInterrupt:
         print("interrupted: the server was stopped; nothing written", file=sys.stderr)
         raise SystemExit(130) from None
     result["settings"]["wall_s"] = round(time.perf_counter() - t_all, 1)
+    result["summary"] = summary(result)
+    for line in summary_lines(result["summary"]):
+        print(line)
     save(result, args.out, plot)
 
 
@@ -350,7 +373,7 @@ def server_delta(before: dict, after: dict) -> dict:
 # --- the load --------------------------------------------------------------------------------
 
 
-def bench_config(name: str, extra: list[str], prompts: list, args) -> dict:
+def bench_config(name: str, extra: list[str], prompts: list, args, round_: int = 0) -> dict:
     entry = {"serve_args": extra, "runs": []}
     try:
         with server(extra, args) as (url, info):
@@ -365,6 +388,7 @@ def bench_config(name: str, extra: list[str], prompts: list, args) -> dict:
                 before = wait_idle(url)
                 run = asyncio.run(load_run(url, model, prompts, args, kind, value))
                 run["server"] = server_delta(before, wait_idle(url))
+                run["round"] = round_
                 entry["runs"].append(run)
                 print(run_line(name, run), flush=True)
     except (RuntimeError, httpx.HTTPError, KeyError, ValueError) as e:
@@ -599,6 +623,39 @@ def run_line(name: str, run: dict) -> str:
             f"acc rate {_f(s['acceptance_rate'], '.2f')}")  # fmt: skip
 
 
+def _point(run: dict) -> tuple[str, float]:
+    return run["mode"], run[run["mode"]]
+
+
+def summary(result: dict) -> list[dict]:
+    """Per load point: each configuration's median output tokens/s over the rounds, its range,
+    and the best configuration by median."""
+    points = sorted({_point(r) for c in result["configs"].values() for r in c["runs"]})
+    out = []
+    for point in points:
+        row = {"mode": point[0], point[0]: point[1], "tokens_per_s": {}}
+        for name, config in result["configs"].items():
+            ys = [r["output_throughput"] for r in config["runs"]
+                  if _point(r) == point and r["output_throughput"] is not None]  # fmt: skip
+            if ys:
+                row["tokens_per_s"][name] = {"median": statistics.median(ys), "min": min(ys),
+                                             "max": max(ys), "rounds": ys}  # fmt: skip
+        if row["tokens_per_s"]:
+            row["best"] = max(row["tokens_per_s"], key=lambda n: row["tokens_per_s"][n]["median"])
+        out.append(row)
+    return out
+
+
+def summary_lines(rows: list[dict]) -> list[str]:
+    lines = []
+    for row in rows:
+        cells = [f"{name} {v['median']:.1f} [{v['min']:.1f}-{v['max']:.1f}]"
+                 for name, v in row["tokens_per_s"].items()]  # fmt: skip
+        lines.append(f"{row['mode']} {row[row['mode']]:g}: median tok/s [range] "
+                     f"{' | '.join(cells)} -> best {row.get('best')}")  # fmt: skip
+    return lines
+
+
 # --- the plot --------------------------------------------------------------------------------
 
 
@@ -616,8 +673,13 @@ def plot(result: dict, plt):
                 runs = [r for r in config["runs"] if r["mode"] == mode]
                 ys = [r[key] if sub is None else r[key][sub] for r in runs]
                 pts = [(r[mode], y) for r, y in zip(runs, ys) if y is not None]
-                if pts:
-                    ax.plot(*zip(*pts), marker="o", label=name)
+                if not pts:
+                    continue
+                xs = sorted({x for x, _ in pts})
+                medians = [statistics.median(y for x2, y in pts if x2 == x) for x in xs]
+                (line,) = ax.plot(xs, medians, marker="o", label=name)
+                if len(pts) > len(xs):  # several rounds: each one as a dot
+                    ax.scatter(*zip(*pts), s=10, alpha=0.4, color=line.get_color())
             xlabel = "concurrent clients" if mode == "concurrency" else "Poisson rate (requests/s)"
             ax.set(title=f"{label} vs {mode}", xlabel=xlabel, ylabel=label, ylim=(0, None))
             if mode == "concurrency":
