@@ -74,7 +74,7 @@ def test_cut_keeps_the_most_valuable_nodes_and_their_parents():
         tree = _chain([1, 2, 3], source=0)
         _chain([4, 5, 6], source=1, tree=tree)
         budget.observe([tree], [[0, 1, 2, 3]])  # the first drafter's chain
-    assert budget.rates(0, 3)[-1] > 0.9 and budget.rates(1, 1)[0] < 0.1
+    assert budget.rate(0, 3) > 0.9 and budget.rate(1, 1) < 0.1
     tree = _chain([7, 8, 9], source=0)
     _chain([4, 5, 6], source=1, tree=tree)
     kept = budget.choose([tree], GREEDY)[0]
@@ -139,8 +139,9 @@ def _sized(streamed: bool) -> TreeBudget:
     budget.rest, budget.level_s = 0.001, {0: 0.002}
     for rows in (1, 2, 4, 8, 16, 32, 64):
         budget.cost[rows] = max(0.200, 0.010 + 0.006 * rows) if streamed else 0.014 + 0.006 * rows
-    for depth in range(1, 9):  # the drafter's nodes are accepted 6 times in 10 at every depth
-        budget.tested[(0, depth)], budget.accepted[(0, depth)] = 100.0, 60.0
+    for depth in range(1, 9):  # best children accepted 6 times in 10 at every depth, second 2
+        for rank, accepted in ((0, 60.0), (1, 20.0)):
+            budget.tested[(0, depth, rank)], budget.accepted[(0, depth, rank)] = 100.0, accepted
     return budget
 
 
@@ -150,8 +151,8 @@ def test_sized_trees_grow_where_rows_are_cheap_and_stay_shallow_where_they_cost(
     assert deep >= 4 and shallow <= 2, (deep, shallow)
     # A batch of 16 makes every row count (16 rows a level): the tree shrinks.
     assert _sized(streamed=True).depth(0, widths, 16) < deep
-    # Nothing timed: the whole tree is drafted, to learn what it costs.
-    assert TreeBudget().depth(0, widths, 1) == len(widths)
+    # Nothing timed: one level, to learn what rows cost before growing.
+    assert TreeBudget().depth(0, widths, 1) == 1
 
 
 def test_sized_levels_are_timed_per_request_and_level():
@@ -221,10 +222,28 @@ def test_a_stopped_drafter_is_not_retried_where_its_trees_cannot_pay():
 
 def test_rates_follow_the_verifications():
     budget = TreeBudget()
-    assert budget.rates(0, 2) == [0.5, 0.5]
+    assert budget.rate(0, 1) == budget.rate(0, 2) == 0.5
     for _ in range(30):
         tree = _chain([1, 2, 3])
         budget.observe([tree], [[0, 1]])  # depth 1 accepted, depth 2 rejected, 3 untested
-    r1, r2, r3 = budget.rates(0, 3)
+    r1, r2, r3 = (budget.rate(0, d) for d in (1, 2, 3))
     assert r1 > 0.9 and r2 < 0.15
     assert r3 == pytest.approx(r2)  # never tested: leans on the depth above
+
+
+def test_rates_are_learned_per_rank_among_siblings():
+    """A drafter's best child is accepted 8 times in 10, its second 1 in 10: the cut values them
+    apart (one rate per depth would price both at 0.45)."""
+    budget = TreeBudget()
+    for i in range(50):
+        tree = TokenTree(9)
+        tree.propose(0, 1, -1, 0)  # rank 0
+        tree.propose(0, 2, -1, 0)  # rank 1
+        accepted = 1 if i % 10 < 8 else 2 if i % 10 == 8 else None
+        budget.observe([tree], [[0, accepted] if accepted else [0]])
+    assert budget.rate(0, 1, 0) == pytest.approx(0.8, abs=0.05)
+    assert budget.rate(0, 1, 1) == pytest.approx(0.1, abs=0.05)
+    tree = TokenTree(9)
+    tree.propose(0, 1, -1, 0)
+    tree.propose(0, 2, -1, 0)
+    assert budget.values(tree) == pytest.approx([1.0, budget.rate(0, 1, 0), budget.rate(0, 1, 1)])

@@ -2,8 +2,9 @@
 
 A node is worth its place in the target's tree forward when it raises the expected tokens per
 second of the step. Its value is the chance that its whole path gets accepted: the product, down
-the path, of each node's conditional acceptance rate (its parent accepted), estimated per drafter
-and depth from the verifications so far. The step's cost is the target forward's time for the
+the path, of each node's conditional acceptance rate (its parent accepted), estimated per
+drafter, depth and rank among its siblings (a drafter's top-1 child is accepted far more often
+than its top-2) from the verifications so far. The step's cost is the target forward's time for the
 batch at a given tree width (measured, per width) plus what the step spends besides (drafting,
 verification, commit). `choose` keeps, per request, the most valuable nodes, as many as the
 width that maximises expected tokens / step time.
@@ -53,8 +54,10 @@ SEEDED_DEPTH = 1  # levels a sized SSM drafts for a seeded sampling request
 
 class TreeBudget:
     def __init__(self):
-        self.tested: dict[tuple[int, int], float] = {}  # (drafter, depth) -> parent accepted
-        self.accepted: dict[tuple[int, int], float] = {}  # ... and the node too
+        # (drafter, depth, rank among the drafter's children of one parent) -> ...
+        self.tested: dict[tuple[int, int, int], float] = {}  # ... times its parent was accepted
+        self.accepted: dict[tuple[int, int, int], float] = {}  # ... and the node too
+        self._rates: dict[tuple[int, int, int], float] = {}  # rate()'s answers since then
         self.cost: dict[int, float] = {}  # rows (batch x width) -> target forward seconds
         self._seen: set[tuple[int, int]] = set()  # shapes timed once (that run recorded a graph)
         self.rest = 0.0  # seconds a step spends outside the target forward and the drafting
@@ -67,29 +70,29 @@ class TreeBudget:
         self._skipped: dict[int, int] = {}  # drafter -> steps skipped since it last drafted
         self._explore: dict[int, int] = {}  # drafter -> skipped steps before it drafts again
 
-    def rates(self, drafter: int, depth: int) -> list[float]:
-        """Conditional acceptance of a node proposed by `drafter` at depths 1..depth (index 0:
-        depth 1). A depth seldom tested leans on the depth above it."""
-        out, above = [], 0.5
-        for d in range(1, depth + 1):
-            key = (drafter, d)
-            above = (self.accepted.get(key, 0.0) + PRIOR * above) / (
-                self.tested.get(key, 0.0) + PRIOR
-            )
-            out.append(above)
-        return out
+    def rate(self, drafter: int, depth: int, rank: int = 0) -> float:
+        """Conditional acceptance of a node `drafter` proposed at `depth` as its rank-th child of
+        a parent (0: its best). One seldom tested leans on the depth above (rank 0; 0.5 at
+        depth 1) or on the rank before, halved."""
+        key = (drafter, depth, rank)
+        if key in self._rates:
+            return self._rates[key]
+        prior = (0.5 if depth == 1 else self.rate(drafter, depth - 1)) if rank == 0 else (
+            self.rate(drafter, depth, rank - 1) / 2
+        )
+        self._rates[key] = (self.accepted.get(key, 0.0) + PRIOR * prior) / (
+            self.tested.get(key, 0.0) + PRIOR
+        )  # kept until a verification changes the counts
+        return self._rates[key]
 
     def values(self, tree: TokenTree) -> list[float]:
         """Each node's chance of being accepted (the root: 1)."""
-        sources = [set() for _ in tree.tokens]
-        for child, source in zip(tree.prop_child, tree.prop_source):
-            sources[child].add(source)
-        depth = max(tree.depths)
-        rates = {s: self.rates(s, depth) for s in set(tree.prop_source)}
+        best = [0.0] * len(tree)
+        for child, source, rank in zip(tree.prop_child, tree.prop_source, _ranks(tree)):
+            best[child] = max(best[child], self.rate(source, tree.depths[child], rank))
         value = [1.0]
         for n in range(1, len(tree)):  # parents come before children
-            best = max(rates[s][tree.depths[n] - 1] for s in sources[n])
-            value.append(value[tree.parents[n]] * best)
+            value.append(value[tree.parents[n]] * best[n])
         return value
 
     def choose(self, trees: list[TokenTree], params: list[SamplingParams]) -> list[list[int]]:
@@ -191,22 +194,24 @@ class TreeBudget:
         """How many levels of its tree (widths per level) `drafter` should draft this step for
         `batch` requests: the depth of the node count k that maximises expected tokens per
         second, k nodes taken best first (level by level: values only fall with depth), at
-        least 1 (whether to draft at all is `drafts`'). Untried depths and widths are priced
-        optimistically (`rates` lean on the depth above, `estimate` on what was timed), so
-        they get tried once and then priced by what they cost."""
-        rates = self.rates(drafter, len(widths))
+        least 1 (whether to draft at all is `drafts`'). Untried depths lean on the depth above
+        (`rate`), untried widths on the timed ones (`estimate`); trees grow from one level as
+        far as the timings show that rows are cheap."""
         level_s = self.level_s.get(drafter, 0.0) * batch  # a level's forward, for the batch
-        best, best_score = len(widths), -1.0
-        gain, nodes, value, count = 0.0, 0, 1.0, 1
-        for d, (width, rate) in enumerate(zip(widths, rates), start=1):
-            value, count = value * rate, count * width
-            for _ in range(count):
-                nodes, gain = nodes + 1, gain + value
-                seconds = self.rest + (d + 1) * level_s + self.estimate(batch, 1 + nodes)
-                if seconds <= 0:
-                    return len(widths)  # nothing timed yet: draft it all and learn
-                if (1 + gain) / seconds > best_score:
-                    best, best_score = d, (1 + gain) / seconds
+        nodes, level = [], [1.0]  # (value, depth) of every node; the values of the last level
+        for d, width in enumerate(widths, start=1):
+            rates = [self.rate(drafter, d, r) for r in range(width)]
+            level = [v * r for v in level for r in rates]
+            nodes += [(v, d) for v in level]
+        nodes.sort(key=lambda n: (-n[0], n[1]))  # a child is worth at most its parent
+        best, best_score, gain, deepest = len(widths), -1.0, 0.0, 0
+        for k, (value, d) in enumerate(nodes, start=1):
+            gain, deepest = gain + value, max(deepest, d)
+            seconds = self.rest + (deepest + 1) * level_s + self.estimate(batch, 1 + k)
+            if seconds <= 0:
+                return 1  # nothing timed yet: one level, then grow as the timings allow
+            if (1 + gain) / seconds > best_score:
+                best, best_score = deepest, (1 + gain) / seconds
         return best
 
     def time_levels(self, drafter: int, levels: int, seconds: float, batch: int) -> None:
@@ -242,14 +247,15 @@ class TreeBudget:
 
     def observe(self, trees: list[TokenTree], paths: list[list[int]]) -> None:
         """Learn from a verification: every node whose parent was accepted was tested."""
+        self._rates.clear()
         for key in self.tested:
             self.tested[key] *= DECAY
             self.accepted[key] *= DECAY
         for tree, path in zip(trees, paths):
             on_path = set(path)
-            for child, source in set(zip(tree.prop_child, tree.prop_source)):
+            for child, source, rank in set(zip(tree.prop_child, tree.prop_source, _ranks(tree))):
                 if tree.parents[child] in on_path:
-                    key = (source, tree.depths[child])
+                    key = (source, tree.depths[child], rank)
                     self.tested[key] = self.tested.get(key, 0.0) + 1
                     self.accepted[key] = self.accepted.get(key, 0.0) + (child in on_path)
 
@@ -275,6 +281,17 @@ class TreeBudget:
             self.cost[rows] = target_s
         else:  # a stall (another process, the OS) must not price a width out for good
             self.cost[rows] = (1 - SMOOTH) * old + SMOOTH * min(target_s, 2 * old)
+
+
+def _ranks(tree: TokenTree) -> list[int]:
+    """Per proposal, its rank among its drafter's proposals under the same parent (drafters
+    propose their children best first)."""
+    seen: dict[tuple[int, int], int] = {}
+    ranks = []
+    for parent, source in zip(tree.prop_parent, tree.prop_source):
+        ranks.append(seen.get((parent, source), 0))
+        seen[(parent, source)] = ranks[-1] + 1
+    return ranks
 
 
 def must_draft(params: SamplingParams) -> bool:
