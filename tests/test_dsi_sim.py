@@ -1,0 +1,68 @@
+"""DSI's offline simulation (specinfer.dsi.sim): Equation 1 as the paper applies it, SI's expected
+tokens per iteration, and Theorem 1 (never slower than non-SI) on random configurations."""
+
+import random
+import statistics
+
+import pytest
+
+from specinfer.dsi.sim import dsi, draw_correct, min_lookahead, non_si, si, sp_needed
+
+
+def test_equation_1_gives_the_papers_lookaheads():
+    # A drafter of 5% latency: SP 4 needs lookahead 5 (Appendix D); SP 3, lookahead 7 (Section 4).
+    assert min_lookahead(1.0, 0.05, 4) == 5 and sp_needed(1.0, 0.05, 5) == 4
+    assert min_lookahead(1.0, 0.05, 3) == 7
+    assert min_lookahead(1.0, 0.5, 7) == 1  # a slow drafter: every token verified at once
+    with pytest.raises(ValueError, match="SP degree must be at least 1"):
+        min_lookahead(1.0, 0.05, 0)
+
+
+def test_si_yields_the_expected_tokens_per_iteration():
+    rng, a, k = random.Random(1), 0.7, 4
+    expected = (1 - a ** (k + 1)) / (1 - a)  # accepted drafts (at most k) + the target's token
+    n, drafter = 2000, 0.1
+    times = [si(n, 1.0, drafter, draw_correct(n, a, rng), k) for _ in range(20)]
+    iterations = statistics.mean(times) / (k * drafter + 1.0)
+    assert n / iterations == pytest.approx(expected, rel=0.03)
+
+
+def test_dsi_with_a_useless_drafter_is_exactly_non_si():
+    correct = draw_correct(30, 0.0, random.Random(0))
+    run = dsi(30, 1.0, 0.1, correct, lookahead=2, sp=4)
+    assert run.latency == pytest.approx(non_si(30, 1.0)) and run.tokens == 30
+
+
+def test_dsi_with_a_perfect_drafter_waits_only_for_the_drafter():
+    correct = draw_correct(50, 1.0, random.Random(0))
+    lookahead = min_lookahead(1.0, 0.05, 7)
+    run = dsi(50, 1.0, 0.05, correct, lookahead, sp=7)
+    # Drafting the 49 tokens before the last (in whole blocks), then one verification.
+    blocks = -(-49 // lookahead)
+    assert run.latency == pytest.approx(blocks * lookahead * 0.05 + 1.0)
+    assert run.idle_waits == 0  # Equation 1: no task waited for a server
+
+
+def test_theorem_1_dsi_is_never_slower_than_non_si_and_beats_si_in_expectation():
+    rng = random.Random(7)
+    for _ in range(60):
+        drafter, acceptance, sp = rng.uniform(0.02, 1.0), rng.random(), rng.randint(1, 7)
+        lookahead = min_lookahead(1.0, drafter, sp)
+        dsi_t, si_t = [], []
+        for _ in range(20):
+            correct = draw_correct(40, acceptance, rng)
+            run = dsi(40, 1.0, drafter, correct, lookahead, sp)
+            assert run.latency <= non_si(40, 1.0) + 1e-9, (drafter, acceptance, sp)
+            assert run.tokens == 40
+            dsi_t.append(run.latency)
+            si_t.append(si(40, 1.0, drafter, correct, lookahead))
+        assert statistics.mean(dsi_t) <= statistics.mean(si_t) + 1e-9, (drafter, acceptance, sp)
+
+
+def test_where_si_is_slower_than_non_si_dsi_is_not():
+    rng = random.Random(3)  # a slow drafter (70% of the target) accepted 3 times in 10
+    draws = [draw_correct(50, 0.3, rng) for _ in range(100)]
+    si_t = statistics.mean(si(50, 1.0, 0.7, c, 1) for c in draws)
+    dsi_t = statistics.mean(dsi(50, 1.0, 0.7, c, min_lookahead(1.0, 0.7, 7), 7).latency
+                            for c in draws)  # fmt: skip
+    assert si_t > non_si(50, 1.0) > dsi_t
