@@ -61,6 +61,10 @@ def run(args, tp: int, pp: int, threads: int, speculative: bool, prompts: list) 
     }
 
 
+def _same(outs: list, reference: list) -> int:
+    return sum(a == b for a, b in zip(outs, reference))
+
+
 def _name(r: dict) -> str:
     pp = r.get("pipeline_parallel", 1)
     return f"TP={r['tensor_parallel']}" + (f" PP={pp}" if pp > 1 else "")
@@ -77,7 +81,9 @@ def draw(result: dict, plt):
                 f"comm {100 * r['comm_fraction']:.0f}%", ha="center", va="bottom", fontsize=8)  # fmt: skip
     ax.set_xticks(range(len(rows)), labels, fontsize=8)
     ax.set_ylabel("ms per token (batch 1)")
-    ax.set_title(f"tensor and pipeline parallelism, {result['settings']['dtype']}, {os.cpu_count()} cores")
+    ax.set_title(
+        f"tensor and pipeline parallelism, {result['settings']['dtype']}, {os.cpu_count()} cores"
+    )
     return fig
 
 
@@ -106,12 +112,13 @@ def main() -> None:
                   f"tokens/step, comm {100 * r['comm_fraction']:.0f}%")  # fmt: skip
             runs.append(r)
     reference = runs[0]["token_ids"]
-    for r, incremental in zip(runs, [r for r in runs for _ in (0, 1) if r["mode"] == "incremental"]):
-        same = lambda outs: sum(a == b for a, b in zip(r["token_ids"], outs))  # noqa: E731
-        r["identical_to_tp1"] = same(reference)
+    for r, incremental in zip(
+        runs, [r for r in runs for _ in (0, 1) if r["mode"] == "incremental"]
+    ):
+        r["identical_to_tp1"] = _same(r["token_ids"], reference)
         # Speculation must not change a configuration's own tokens (bf16 sums in another order
         # may change them vs TP=1: see the near-tie counts of tests/test_distributed.py).
-        r["identical_to_incremental"] = same(incremental["token_ids"])
+        r["identical_to_incremental"] = _same(r["token_ids"], incremental["token_ids"])
         print(f"{_name(r)} x {r['threads_per_rank']}t {r['mode']}: {r['identical_to_tp1']}/"
               f"{len(prompts)} outputs identical to TP=1 incremental, "
               f"{r['identical_to_incremental']} to incremental in the same configuration")  # fmt: skip

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from results_io import save  # noqa: E402
-from specinfer.dsi.sim import dsi, draw_correct, min_lookahead, non_si, si  # noqa: E402
+from specinfer.dsi.sim import draw_correct, dsi, min_lookahead, non_si, si  # noqa: E402
 
 HERE = Path(__file__).parent
 

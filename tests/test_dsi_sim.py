@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from specinfer.dsi.sim import dsi, draw_correct, min_lookahead, non_si, si, sp_needed
+from specinfer.dsi.sim import draw_correct, dsi, min_lookahead, non_si, si, sp_needed
 
 
 def test_equation_1_gives_the_papers_lookaheads():

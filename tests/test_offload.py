@@ -118,7 +118,9 @@ def test_too_little_free_space_is_refused_before_writing(tiny_pair, tmp_path, mo
     target, _ = tiny_pair
     real = offload.shutil.disk_usage
     monkeypatch.setattr(offload.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
-    with pytest.raises(offload.OffloadError, match=r"not enough disk space .* MB needed, 0 MB free"):
+    with pytest.raises(
+        offload.OffloadError, match=r"not enough disk space .* MB needed, 0 MB free"
+    ):
         Engine(target, dtype="float32", offload="disk", offload_dir=tmp_path)
     assert _no_files_left(tmp_path) == []
 
@@ -132,8 +134,7 @@ def test_an_unwritable_offload_folder_is_a_clear_error(tiny_pair, tmp_path):  # 
             Engine(target, dtype="float32", offload="disk", offload_dir=folder)
 
 
-def test_without_o_direct_reads_fall_back_with_a_warning(tiny_pair, tmp_path, monkeypatch,
-                                                          caplog):  # noqa: F811 # fmt: skip
+def test_without_o_direct_reads_fall_back_with_a_warning(tiny_pair, tmp_path, monkeypatch, caplog):  # noqa: F811
     target, _ = tiny_pair
     resident = _run(target, GREEDY, dtype="float32")
     real_open = os.open
@@ -155,9 +156,15 @@ def test_without_o_direct_reads_fall_back_with_a_warning(tiny_pair, tmp_path, mo
     [
         ({"offload": "ram"}, "offload must be None, 'cpu' or 'disk', got 'ram'"),
         ({"offload": "cpu"}, "offload='cpu' streams layers from host memory to a GPU"),
-        ({"offload": "disk", "resident_layers": 3}, r"resident_layers must be an integer in \[0, 3\)"),
+        (
+            {"offload": "disk", "resident_layers": 3},
+            r"resident_layers must be an integer in \[0, 3\)",
+        ),
         ({"offload": "disk", "resident_layers": -1}, "resident_layers must be an integer >= 0"),
-        ({"offload": "disk", "tensor_parallel": 2}, "offload is not supported with tensor_parallel"),
+        (
+            {"offload": "disk", "tensor_parallel": 2},
+            "offload is not supported with tensor_parallel",
+        ),
         ({"resident_layers": 1}, "resident_layers applies with offload="),
     ],
 )

@@ -77,8 +77,10 @@ class TreeBudget:
         key = (drafter, depth, rank)
         if key in self._rates:
             return self._rates[key]
-        prior = (0.5 if depth == 1 else self.rate(drafter, depth - 1)) if rank == 0 else (
-            self.rate(drafter, depth, rank - 1) / 2
+        prior = (
+            (0.5 if depth == 1 else self.rate(drafter, depth - 1))
+            if rank == 0
+            else (self.rate(drafter, depth, rank - 1) / 2)
         )
         self._rates[key] = (self.accepted.get(key, 0.0) + PRIOR * prior) / (
             self.tested.get(key, 0.0) + PRIOR

@@ -282,9 +282,12 @@ def _format_stats(m: dict) -> str:
             f"; {s['name']}: {s['accepted']} accepted, {1000 * s['ssm_s']:.0f} ms"
             for s in m.get("per_ssm", [])
         )  # fmt: skip
-        + (f"; weights streamed: {m['weight_bytes'] / max(1, tokens) / 1e6:.1f} MB/token, "
-           f"{1000 * m['stream_wait_s']:.0f} ms waited for them"
-           if m.get("weight_bytes") else "")  # fmt: skip
+        + (
+            f"; weights streamed: {m['weight_bytes'] / max(1, tokens) / 1e6:.1f} MB/token, "
+            f"{1000 * m['stream_wait_s']:.0f} ms waited for them"
+            if m.get("weight_bytes")
+            else ""
+        )  # fmt: skip
         + "]"
     )
 

@@ -331,8 +331,10 @@ def offload_model(model: nn.Module, mode: str, device: torch.device, checkpoint:
     model's `layer_streamer` is set, which turns its op graphs off."""
     check_mode(mode, device)
     all_layers = list(model.decoder_layers())
-    if not isinstance(resident, int) or isinstance(resident, bool) or not (
-        0 <= resident < len(all_layers)
+    if (
+        not isinstance(resident, int)
+        or isinstance(resident, bool)
+        or not (0 <= resident < len(all_layers))
     ):
         raise ValueError(f"resident_layers must be an integer in [0, {len(all_layers)}) "
                          f"(the model has {len(all_layers)} layers), got {resident!r}")  # fmt: skip

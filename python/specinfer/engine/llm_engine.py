@@ -427,8 +427,10 @@ def _check_offload(offload, resident_layers, device: torch.device, tp: int, pp: 
                              f"resident_layers={resident_layers!r} and no offload")  # fmt: skip
         return
     check_mode(offload, device)
-    if not isinstance(resident_layers, int) or isinstance(resident_layers, bool) or (
-        resident_layers < 0
+    if (
+        not isinstance(resident_layers, int)
+        or isinstance(resident_layers, bool)
+        or (resident_layers < 0)
     ):
         raise ValueError(f"resident_layers must be an integer >= 0, got {resident_layers!r}")
     if tp != 1 or pp != 1:

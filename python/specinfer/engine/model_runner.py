@@ -235,7 +235,6 @@ class ModelRunner:
         """Keep each sequence's accepted tree path (node ids) in its cache after `prefix`."""
         self._call("commit", kv.table(seqs), torch.tensor(prefix), _pad(paths, -1))
 
-
     def streamed(self) -> tuple[int, float, float]:
         """The offloaded layers' (bytes streamed, reading seconds, waiting seconds) so far."""
         s = self.streamer
