@@ -19,7 +19,6 @@ incremental decoding (they must be identical).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -51,7 +50,8 @@ def disk_bandwidth(path: Path, stride: int, seconds: float = 3.0) -> float:
     return done * stride / elapsed
 
 
-def run(args, name: str, prompts: list, **kwargs) -> tuple[dict, Path | None]:
+def run(args, name: str, prompts: list, **kwargs) -> tuple[dict, tuple[Path, int] | None]:
+    """The configuration's row, and its layer file with one layer's bytes (disk offload)."""
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     with Engine(args.model, dtype=args.dtype, device=args.device, threads=args.threads,
                 max_batch_size=1, **kwargs) as engine:  # fmt: skip
@@ -61,7 +61,7 @@ def run(args, name: str, prompts: list, **kwargs) -> tuple[dict, Path | None]:
         start = time.perf_counter()
         outs = [engine.generate(p, params)[0] for p in prompts]
         wall = time.perf_counter() - start
-        path = getattr(streamer, "path", None)
+        layer_file = (streamer.path, streamer.layout.stride) if streamer and streamer.path else None
         reads = (streamer.bytes - read0[0], streamer.read_s - read0[1]) if streamer else (0, 0)
         layer_bytes = streamer.layer_bytes if streamer else 0
     tokens = sum(len(o.token_ids) for o in outs)
@@ -85,7 +85,7 @@ def run(args, name: str, prompts: list, **kwargs) -> tuple[dict, Path | None]:
         "wall_s": wall,
         "token_ids": [o.token_ids for o in outs],
     }
-    return row, path
+    return row, layer_file
 
 
 def draw(result: dict, plt):
@@ -139,14 +139,14 @@ def main() -> None:
                      for t in args.trees]  # fmt: skip
         runs, layer_file = [], None
         for name, kwargs in plan:
-            row, path = run(args, name, prompts, **kwargs)
-            layer_file = layer_file or path
+            row, file = run(args, name, prompts, **kwargs)
+            layer_file = layer_file or file
             runs.append(row)
             print(f"{name:28s}: {row['ms_per_token']:6.1f} ms/token, {row['tokens_per_step']:.2f} "
                   f"tokens/step, {row['weight_bytes_per_token'] / 1e6:6.1f} MB/token streamed, "
                   f"ssm {row['ssm_ms_per_step']:.0f} + target {row['target_ms_per_step']:.0f} "
                   "ms/step", flush=True)  # fmt: skip
-        bandwidth = disk_bandwidth(layer_file, _layer_stride(layer_file)) if layer_file else None
+        bandwidth = disk_bandwidth(*layer_file) if layer_file else None
     reference = runs[0]["token_ids"]
     for r in runs:
         r["identical_to_resident"] = sum(a == b for a, b in zip(r["token_ids"], reference))
@@ -169,11 +169,6 @@ def main() -> None:
                 "cores": os.cpu_count(), "torch": torch.__version__,
                 "disk_mb_per_s": bandwidth / 1e6 if bandwidth else None}  # fmt: skip
     save({"settings": settings, "runs": runs}, args.out, draw)
-
-
-def _layer_stride(path: Path) -> int:
-    """One layer's bytes in the file, from its manifest."""
-    return json.loads(Path(str(path) + ".json").read_text())["stride"]
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from torch import nn
 
 from specinfer.default_model import DEFAULT_SSM_TREE, default_ssm_path
 from specinfer.ngram import NgramConfig, NgramDrafter
-from specinfer.speculator import load_speculator
+from specinfer.speculator import load_speculator, parse_layers
 from specinfer.tree import TokenTree, TreeConfig, merge_trees
 
 DEFAULT_HEAD = 8192  # tokens of head_tokens.json used when ssm_head is not given
@@ -156,9 +156,8 @@ def build_drafter(specs, trees, target: nn.Module, target_path: Path, dtype, dev
 def selected_layers(specs) -> int:
     """The most target layers a layer-selected SSM among `specs` uses (0: none)."""
     specs = specs if isinstance(specs, list | tuple) else [specs]
-    counts = [s if isinstance(s, int) and not isinstance(s, bool) else
-              int(s.removeprefix("layers:")) if isinstance(s, str) and s.startswith("layers:")
-              and s.removeprefix("layers:").isdigit() else 0 for s in specs]  # fmt: skip
+    counts = [s if isinstance(s, int) else parse_layers(s)
+              for s in specs if isinstance(s, int) or str(s).startswith("layers:")]  # fmt: skip
     return max(counts, default=0)
 
 

@@ -89,6 +89,7 @@ class NgramDrafter:
     """Drafts from each request's own tokens; same draft/commit interface as the Speculator."""
 
     samples_children = False  # its proposals are point masses
+    sized = False  # its depth comes from its config, not from the budget
 
     def __init__(self, config: NgramConfig, name: str = "ngram"):
         self.config = config

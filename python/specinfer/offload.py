@@ -225,10 +225,11 @@ class LayerStreamer:
     bytes: read into host_buffer (disk) or a slice of pinned memory (cpu)."""
 
     def __init__(self, layers: dict[int, nn.Module], layout: Layout, fetch, device: torch.device,
-                 host_buffers: bool, closers=()):  # fmt: skip
+                 host_buffers: bool, closers=(), path: Path | None = None):  # fmt: skip
         self.order = list(layers)
         self.pos = {i: k for k, i in enumerate(self.order)}
         self.layout, self.fetch, self.device = layout, fetch, device
+        self.path = path  # the layer file ("disk"), else None
         self.cuda = device.type == "cuda"
         cpu = torch.device("cpu")
         self.host = [aligned_buffer(layout.stride, cpu, pin=self.cuda) if host_buffers else None
@@ -359,7 +360,6 @@ def offload_model(model: nn.Module, mode: str, device: torch.device, checkpoint:
             write_layer_file(path, key, layout, list(streamed.values()))
         reader = DiskReader(path, layout.stride)
         streamer = LayerStreamer(streamed, layout, reader.read, device, host_buffers=True,
-                                 closers=[reader.close])  # fmt: skip
-        streamer.path = path
+                                 closers=[reader.close], path=path)  # fmt: skip
     model.layer_streamer = streamer
     return streamer

@@ -282,7 +282,7 @@ def load_speculator(
 ) -> Speculator:
     """`spec`: an int L / "layers:L" (the target's first L layers), or a model path."""
     if isinstance(spec, int) or (isinstance(spec, str) and spec.startswith("layers:")):
-        n = spec if isinstance(spec, int) else _parse_layers(spec)
+        n = spec if isinstance(spec, int) else parse_layers(spec)
         return Speculator(layer_selected(target, n), tree, name=f"layers:{n}")
     from specinfer.loader import load_model
 
@@ -301,7 +301,7 @@ def load_speculator(
     return Speculator(model, tree, name=path.name)
 
 
-def _parse_layers(spec: str) -> int:
+def parse_layers(spec: str) -> int:
     try:
         return int(spec.split(":", 1)[1])
     except ValueError:

@@ -30,21 +30,13 @@ def speculative_step(seqs: list[Sequence], kv, runner: ModelRunner, drafter, bud
     max_depths = [s.max_len - len(seq) - 1 for s, seq in zip(seqs, tokens)]
     n = len(drafter.ssms)
     run = budget.drafts(n, len(seqs)) if budget else frozenset(range(n))
-    # Per SSM, each request's depth: 0 (no draft) where the budget leaves that SSM out; an SSM
-    # sized by the budget drafts as deep as pays (a seeded request: a fixed depth).
-    depths = []
-    for i, ssm in enumerate(drafter.ssms):
-        sized = getattr(ssm, "sized", False) and budget is not None
-        cap = budget.depth(i, ssm.tree.widths, len(seqs)) if sized and i in run else None
-        depths.append([min(d, SEEDED_DEPTH) if sized and must_draft(s.params) else
-                       (min(d, cap) if cap else d) if i in run or must_draft(s.params) else 0
-                       for s, d in zip(seqs, max_depths)])  # fmt: skip
+    depths = [_depths(i, ssm, seqs, max_depths, i in run, budget)
+              for i, ssm in enumerate(drafter.ssms)]  # fmt: skip
     t0 = time.perf_counter()
     trees = drafter.draft(seqs, tokens, depths)
-    if budget:
-        for i, (ssm, caps) in enumerate(zip(drafter.ssms, depths)):
-            if getattr(ssm, "sized", False):
-                budget.time_levels(i, max(caps), drafter.last_times[i], len(seqs))
+    for i, (ssm, caps) in enumerate(zip(drafter.ssms, depths)):
+        if ssm.sized:
+            budget.time_levels(i, max(caps), drafter.last_times[i], len(seqs))
     if max_nodes is not None and any(len(t) > max_nodes for t in trees):
         trees = drafter.keep([list(range(min(len(t), max_nodes))) for t in trees])
     if budget and run:
@@ -88,6 +80,21 @@ def speculative_step(seqs: list[Sequence], kv, runner: ModelRunner, drafter, bud
             accepted[depth] += 1
     new = [tree.path_tokens(path[1:]) + [nxt] for tree, (path, nxt) in zip(trees, verified)]
     return new, trees
+
+
+def _depths(i: int, ssm, seqs: list[Sequence], max_depths: list[int], runs: bool,
+            budget) -> list[int]:  # fmt: skip
+    """SSM i's depth per request: 0 (no draft) where the budget leaves it out; a seeded
+    request is drafted always (a sized SSM's tree: SEEDED_DEPTH levels, whatever the timings);
+    a sized SSM drafts as deep as the budget finds it pays (sized SSMs come with a budget)."""
+    cap = budget.depth(i, ssm.tree.widths, len(seqs)) if ssm.sized and runs else None
+    out = []
+    for s, d in zip(seqs, max_depths):
+        if must_draft(s.params):
+            out.append(min(d, SEEDED_DEPTH) if ssm.sized else d)
+        else:
+            out.append(0 if not runs else min(d, cap) if cap else d)
+    return out
 
 
 def sample(seq: Sequence, logits: torch.Tensor) -> int:
