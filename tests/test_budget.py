@@ -130,6 +130,10 @@ def test_untimed_widths_between_and_beyond_timed_ones_follow_their_lines():
     assert budget.estimate(1, 16) == pytest.approx(0.040 + 8 * 0.0035)  # the 4 -> 8 slope on
     budget.cost = {1: 0.050, 2: 0.040}  # a falling line (noise) is not followed down
     assert budget.estimate(1, 6) == pytest.approx(0.040)
+    # Two close counts are noise apart: the line runs back to one at most half as large, so
+    # 16 trees of 23 nodes are not priced like a plain step of 16 (measured: 1.19 s).
+    budget.cost = {1: 0.024, 15: 0.0896, 16: 0.0797}
+    assert budget.estimate(16, 23) == pytest.approx(0.0797 + 352 * (0.0797 - 0.024) / 15)
 
 
 def _sized(streamed: bool) -> TreeBudget:

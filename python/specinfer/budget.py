@@ -228,8 +228,10 @@ class TreeBudget:
         """The target forward's time for `batch` trees padded to `width`, priced by its rows
         (batch x width: the linear layers' work), so timings carry over between batch sizes as
         requests join and leave: measured at that row count; between two measured counts, on
-        the line through them; past the largest, on the line through the two largest (no
-        steeper than flat); else a lower bound (a forward costs at least what one of fewer rows
+        the line through them; past the largest, on the line from it back to the largest count
+        at most half as large, or else the smallest (two close counts differ mostly by noise: a
+        line through them can come out flat and price any tree like a plain step), no lower
+        than flat; else a lower bound (a forward costs at least what one of fewer rows
         costs, and, per row, at least what one of more rows costs per row). Once a count has
         run, it is priced by what it cost."""
         rows = batch * width
@@ -241,7 +243,8 @@ class TreeBudget:
             lo, hi = below[-1], above[0]
             return self.cost[lo] + (self.cost[hi] - self.cost[lo]) * (rows - lo) / (hi - lo)
         if len(below) >= 2:
-            lo, hi = below[-2], below[-1]
+            hi = below[-1]
+            lo = max((r for r in below if 2 * r <= hi), default=below[0])
             slope = max(0.0, (self.cost[hi] - self.cost[lo]) / (hi - lo))
             return self.cost[hi] + slope * (rows - hi)
         bounds = [self.cost[r] for r in below] + [self.cost[r] * rows / r for r in above]

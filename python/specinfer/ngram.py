@@ -106,6 +106,11 @@ class NgramDrafter:
     def admit(self, row: int) -> None:
         self.indexes[row] = self.new_index()
 
+    def prefill(self, batch: list, tokens: list[list[int]]) -> None:
+        """Index each request's prompt now rather than at its first draft."""
+        for r, seq in zip(batch, tokens):
+            self.indexes[r.row].extend(seq)
+
     def draft(self, batch: list, tokens: list[list[int]], max_depths: list[int]) -> list[TokenTree]:
         trees = []
         for r, seq, max_depth in zip(batch, tokens, max_depths):

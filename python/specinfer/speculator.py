@@ -96,6 +96,20 @@ class Speculator:
         """A new request takes `row`: nothing of it is cached yet."""
         self.cached[row] = 0
 
+    def prefill(self, batch: list, tokens: list[list[int]]) -> None:
+        """Feed each request's `tokens` (what the target has cached once its prompt is
+        prefilled) past what the SSM has: a draft then feeds only the tokens accepted since,
+        so drafting times (which the budget prices) measure drafting, not prompts."""
+        todo = [b for b, (r, seq) in enumerate(zip(batch, tokens)) if len(seq) > self.cached[r.row]]
+        if not todo:
+            return
+        row_ids = [batch[b].row for b in todo]
+        rows = torch.tensor(row_ids, device=self.kv.k[0].device)
+        cached = [self.cached[row] for row in row_ids]
+        self._last_hidden(rows, [tokens[b][c:] for b, c in zip(todo, cached)], cached)
+        for row, b in zip(row_ids, todo):
+            self.cached[row] = len(tokens[b])
+
     def draft(self, batch: list, tokens: list[list[int]], max_depths: list[int]) -> list[TokenTree]:
         """Draft one tree per request. `batch[b]` has .row, .params, .generator, .penalties and
         .output_ids; tokens[b] is its whole sequence; max_depths[b] caps its depth. A request

@@ -253,6 +253,9 @@ class Engine:
             t0 = time.perf_counter()
             logits = self.runner.prefill(self.kv, plan.prefill)
             self.runner.charge_streaming([s for s, _ in plan.prefill], streamed)
+            cached = [s for (s, _), lg in zip(plan.prefill, logits) if lg is not None]
+            if self.drafter and cached:
+                self.drafter.prefill(cached, [s.prefill_ids for s in cached])
             for (s, _), lg in zip(plan.prefill, logits):
                 s.metrics["prefill_s"] += time.perf_counter() - t0
                 if lg is not None and not s.output_ids:  # the prompt is cached: its first token
