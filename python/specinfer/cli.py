@@ -68,9 +68,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     gen.add_argument(
         "--mode",
-        choices=["incremental", "sequence", "tree"],
+        choices=["incremental", "sequence", "tree", "dsi"],
         default=None,
-        help="default: tree when an SSM is used, else incremental",
+        help="default: tree when an SSM is used, else incremental; dsi: speculation "
+        "parallelism (the drafter runs ahead while --target-servers verify its blocks)",
+    )
+    gen.add_argument(
+        "--target-servers",
+        type=int,
+        default=1,
+        help="with --mode dsi: target server processes, each a copy of the model (default 1)",
+    )
+    gen.add_argument(
+        "--lookahead",
+        type=int,
+        default=None,
+        help="with --mode dsi: drafted tokens per verification task (default: the smallest "
+        "Equation 1 allows for the servers, from latencies measured at start)",
     )
     gen.add_argument(
         "--whole-trees",
@@ -267,7 +281,8 @@ def engine_from_args(args, **serving):
                   tensor_parallel=args.tensor_parallel,
                   pipeline_parallel=args.pipeline_parallel, offload=args.offload,
                   offload_dir=args.offload_dir, resident_layers=args.resident_layers,
-                  **serving)  # fmt: skip
+                  target_servers=getattr(args, "target_servers", 1),
+                  lookahead=getattr(args, "lookahead", None), **serving)  # fmt: skip
 
 
 def _format_stats(m: dict) -> str:
@@ -286,6 +301,13 @@ def _format_stats(m: dict) -> str:
             f"; weights streamed: {m['weight_bytes'] / max(1, tokens) / 1e6:.1f} MB/token, "
             f"{1000 * m['stream_wait_s']:.0f} ms waited for them"
             if m.get("weight_bytes")
+            else ""
+        )  # fmt: skip
+        + (
+            "; dsi: {blocks_verified} blocks verified, {wasted_forwards} wasted forwards, "
+            "{preemptions} preemptions, drafter idle {drafter_idle_s:.2f} s, target idle "
+            "{target_idle_s:.2f} s".format(**m["dsi"])
+            if m.get("dsi")
             else ""
         )  # fmt: skip
         + "]"

@@ -1,7 +1,7 @@
 """Drafting with several SSMs: each drafts its own tree, the trees merge into one per request.
 
 An SSM here is anything with the Speculator's interface (a neural `Speculator`, the
-`NgramDrafter`): num_nodes, reset, admit, prefill, draft, commit. Each keeps its own per-request state
+`NgramDrafter`): num_nodes, reset, admit, prefill, draft, commit, rollback. Each keeps its own per-request state
 (KV cache, cached length, n-gram index), so after verification each is told the accepted path in
 its own node ids: the longest prefix of the path that is in its tree. Accepted tokens an SSM did
 not propose reach it at its next draft (it feeds everything past what it has cached).
@@ -52,6 +52,11 @@ class Drafter:
         """Each SSM catches up with the requests whose prompts the target has just cached."""
         for s in self.ssms:
             s.prefill(batch, tokens)
+
+    def rollback(self, row: int, length: int) -> None:
+        """Every SSM forgets what request `row` holds past its first `length` tokens."""
+        for s in self.ssms:
+            s.rollback(row, length)
 
     def draft(self, batch: list, tokens: list[list[int]],
               depths: list[list[int]]) -> list[TokenTree]:  # fmt: skip

@@ -84,6 +84,18 @@ class _Index:
                     self.ends.setdefault(tuple(seq[e - n : e]), []).append(e)
         self.length = len(seq)
 
+    def truncate(self, length: int) -> None:
+        """Forget the n-grams of tokens past the first `length` (they may change)."""
+        if length >= self.length:
+            return
+        for key in list(self.ends):
+            ends = self.ends[key]
+            while ends and ends[-1] >= length:
+                ends.pop()
+            if not ends:
+                del self.ends[key]
+        self.length = length
+
 
 class NgramDrafter:
     """Drafts from each request's own tokens; same draft/commit interface as the Speculator."""
@@ -110,6 +122,9 @@ class NgramDrafter:
         """Index each request's prompt now rather than at its first draft."""
         for r, seq in zip(batch, tokens):
             self.indexes[r.row].extend(seq)
+
+    def rollback(self, row: int, length: int) -> None:
+        self.indexes[row].truncate(length)
 
     def draft(self, batch: list, tokens: list[list[int]], max_depths: list[int]) -> list[TokenTree]:
         trees = []

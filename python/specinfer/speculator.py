@@ -110,6 +110,11 @@ class Speculator:
         for row, b in zip(row_ids, todo):
             self.cached[row] = len(tokens[b])
 
+    def rollback(self, row: int, length: int) -> None:
+        """Forget what the request's row holds past its first `length` tokens (DSI: drafts a
+        rejection left behind)."""
+        self.cached[row] = min(self.cached[row], length)
+
     def draft(self, batch: list, tokens: list[list[int]], max_depths: list[int]) -> list[TokenTree]:
         """Draft one tree per request. `batch[b]` has .row, .params, .generator, .penalties and
         .output_ids; tokens[b] is its whole sequence; max_depths[b] caps its depth. A request

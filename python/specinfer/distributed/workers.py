@@ -160,18 +160,24 @@ class Workers:
                 self.group.send(("stop", []))
             except Exception:
                 pass
-        for p in self.procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        stop_processes(self.procs, grace=10)
         if self.group is not None:
             self.group.shutdown()
         self.errors.close()
         self.errors.join_thread()
+
+
+def stop_processes(procs: list, grace: float) -> None:
+    """Wait `grace` seconds for each process to exit (it was told to stop), then terminate it,
+    then kill it."""
+    for p in procs:
+        p.join(timeout=grace)
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
 
 
 def _spawned_worker(rank: int, host: str, port: int, spec: ShardSpec, errors) -> None:

@@ -63,6 +63,8 @@ class Engine:
         offload: str | None = None,
         offload_dir: str | Path | None = None,
         resident_layers: int = 0,
+        target_servers: int = 1,
+        lookahead: int | None = None,
     ):
         """mode: "incremental" (no SSM), "sequence" (chains as deep as the trees) or "tree"
         (default when an SSM is given). ssm: a model path sharing the target's tokenizer, an
@@ -96,7 +98,13 @@ class Engine:
         offload: "disk" streams the target's layers from a file each forward (written once, in
         the engine's dtype, to offload_dir, default ~/.cache/specinfer/offload), "cpu" (CUDA)
         from pinned host memory; the first resident_layers layers (and those a layer-selected
-        SSM uses) stay resident, as do embeddings, head, KV cache and SSMs (see offload.py)."""
+        SSM uses) stay resident, as do embeddings, head, KV cache and SSMs (see offload.py).
+
+        mode "dsi": speculation parallelism (DSI's Algorithm 1, see dsi/orchestrator.py): the
+        SSMs draft ahead while target_servers processes, each with its own copy of the target
+        (one thread each), verify lookahead blocks concurrently; lookahead defaults to the
+        smallest Equation 1 allows from latencies measured at start. Requests run one at a
+        time; penalties are refused."""
         if threads is not None:
             torch.set_num_threads(threads)
         for name, value in (("max_batch_size", max_batch_size),
@@ -113,8 +121,15 @@ class Engine:
                 f"model not found: {path} (a local HF directory or a .gguf file)"
             )
         self.mode = mode or ("tree" if ssm is not None else "incremental")
-        if self.mode not in ("incremental", "sequence", "tree"):
-            raise ValueError(f"mode must be 'incremental', 'sequence' or 'tree', got {self.mode!r}")
+        if self.mode not in ("incremental", "sequence", "tree", "dsi"):
+            raise ValueError(
+                f"mode must be 'incremental', 'sequence', 'tree' or 'dsi', got {self.mode!r}"
+            )
+        if self.mode == "dsi" and (tensor_parallel, pipeline_parallel, offload) != (1, 1, None):
+            raise ValueError("mode 'dsi' runs whole target copies: no tensor/pipeline parallelism "
+                             "or offloading")  # fmt: skip
+        if self.mode == "dsi":
+            max_batch_size = 1  # one request at a time, overlapped within itself
         if verifier not in ("mss", "naive"):
             raise ValueError(f"verifier must be 'mss' or 'naive', got {verifier!r}")
         if self.mode != "incremental" and ssm is None:
@@ -133,6 +148,11 @@ class Engine:
                 self.model.to(self.device)
             self._build(path, ssm, tree, ssm_head, adaptive_tree, max_tree_nodes, max_model_len,
                         kv_budget, max_batch_size, max_tokens_per_step, verifier)  # fmt: skip
+            self.dsi = None
+            if self.mode == "dsi":
+                from specinfer.dsi.mode import DSIMode
+
+                self.dsi = DSIMode.start(self, target_servers, lookahead)
         except BaseException:
             self.close()
             raise
@@ -150,8 +170,9 @@ class Engine:
             target = ssm_view(self.runner, ssm) if self.workers else self.model
             self.drafter = build_drafter(ssm, tree, target, path, self.dtype, self.device,
                                          ssm_head, chains=self.mode == "sequence",
-                                         sized=adaptive_tree)  # fmt: skip
-            self.budget = TreeBudget() if adaptive_tree else None
+                                         sized=adaptive_tree and self.mode != "dsi")  # fmt: skip
+            # DSI verifies every drafted level (its servers' rows come at no cost to the step).
+            self.budget = TreeBudget() if adaptive_tree and self.mode != "dsi" else None
         self.max_tree_nodes = _max_tree_nodes(max_tree_nodes, self.drafter)
         self.context = self.config.max_position_embeddings
         self.max_model_len = _max_model_len(max_model_len, self.context)
@@ -205,8 +226,12 @@ class Engine:
         ids = self.prompt_ids(prompt, index)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         max_len = min(len(ids) + params.max_tokens, self.max_model_len)
-        return Seq(request_id, ids, params, TextStream(self.tokenizer, params.stop), max_len,
-                   self.config.vocab_size, self.device)  # fmt: skip
+        seq = Seq(request_id, ids, params, TextStream(self.tokenizer, params.stop), max_len,
+                  self.config.vocab_size, self.device)  # fmt: skip
+        if self.mode == "dsi" and seq.penalties.active:
+            raise ValueError("mode 'dsi' does not support repetition, presence or frequency "
+                             "penalties")  # fmt: skip
+        return seq
 
     def add_sequence(self, seq: Seq) -> None:
         if self.scheduler.find(seq.request_id) is not None:
@@ -231,6 +256,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One iteration: decode every running request (speculatively when an SSM is set),
         prefill the next prompt chunks, finish what is done. Returns what each request gained."""
+        if self.dsi is not None:
+            return self.dsi.step(self)
         plan = self.scheduler.schedule()
         outputs = []
         streamed = self.runner.streamed()
@@ -325,6 +352,8 @@ class Engine:
         cannot step afterwards."""
         if getattr(self, "workers", None) is not None:
             self.workers.close()
+        if getattr(self, "dsi", None) is not None:
+            self.dsi.close()
         streamer = getattr(getattr(self, "model", None), "layer_streamer", None)
         if streamer is not None:
             streamer.close()

@@ -1,0 +1,340 @@
+"""DSI's orchestrator: Algorithm 1 with a lookahead, over a pool of target servers, one request
+at a time (the structure dsi/sim.py simulates, so its predictions compare with these runs).
+
+A round starts from the verified tokens S: a tree rooted at S's last token, whose main chain the
+drafter extends one level per drafter forward (each level: the merged proposals of every SSM
+under the main chain's newest node; the main child is the first drafter's best). Target tasks:
+- at once, one on S alone (its row gives the next token: the target never waits for the drafter;
+  a request's first one goes to every server, which all need the prompt in their caches);
+- after every `lookahead` levels, one over that block (its nodes, hung from the main node above
+  it), sent to a free server while the drafter drafts on (queued when none is free);
+- when nothing in flight covers the verified frontier, one there at once, over what is drafted
+  below it.
+Each task answers the target's rows at its hang node and its block's nodes. Verification walks
+the tree from the frontier while rows are there: at node u, the target's row verifies u's
+children (VerifyGreedy, or one step of multi-step speculative sampling over them: lossless); an
+accepted child becomes the frontier and its token is emitted. When none is accepted, the
+target's token is emitted, every task of the round is preempted (its server stops within a
+layer), the drafter rolls back to the longest prefix it shares with the new S, and the next
+round starts from it. The verified prefix only grows; a row is read only on the verified path.
+
+`overlap=False` gives SI through the same servers (draft a block, verify it, repeat) and no
+drafter gives non-SI (a task per token), so the three compare on equal terms.
+
+A server that dies mid-run is dropped: the pool continues with fewer servers (its task is lost;
+the frontier's coverage reissues what is needed); a DSIError when none is left.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import warnings
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specinfer import verify
+from specinfer.dsi.servers import DSIError, TargetPool, Task
+from specinfer.dsi.sim import min_lookahead
+from specinfer.tree import TokenTree
+
+ANSWER_TIMEOUT = 300.0  # seconds without any server answering before the run is an error
+
+
+@dataclass
+class _Job:
+    task: Task
+    round: int
+    hang: int  # the round-tree node whose row comes first
+    nodes: list[int]  # the round-tree nodes of its block
+    server: int = -1
+    sent: float = 0.0
+    cancelled: float = 0.0
+    prefill: bool = False  # a server's first task of the request: never preempted
+
+
+def _metrics() -> dict:
+    return dict(rounds=0, drafted=0, tested=0, accepted=0, target_forwards=0, blocks_verified=0,
+                wasted_forwards=0, prefills=0, preemptions=0, servers_lost=0, drafter_idle_s=0.0,
+                target_idle_s=0.0, message_s=0.0, preempt_wait_s=0.0, draft_s=0.0,
+                compute_s=0.0, compute_n=0)  # fmt: skip
+
+
+class Orchestrator:
+    def __init__(self, pool: TargetPool, drafter=None, lookahead: int = 1, overlap: bool = True,
+                 draft_s: float | None = None):  # fmt: skip
+        """draft_s: pad every drafter forward to this many seconds (emulated drafter latency:
+        bench_dsi's sweep); results are handled while it waits."""
+        if not isinstance(lookahead, int) or isinstance(lookahead, bool) or lookahead < 1:
+            raise ValueError(f"lookahead must be an integer >= 1, got {lookahead!r}")
+        self.pool, self.drafter, self.lookahead = pool, drafter, lookahead
+        self.overlap, self.draft_s = overlap, draft_s
+        self._ids = itertools.count(1)
+
+    # -- a request --------------------------------------------------------------------------------
+
+    def run(self, seq, emit) -> dict:
+        """Generate for `seq` (an engine Sequence holding a drafter row) until `emit(tokens)`
+        returns True (it appends them and says whether the request finished); its metrics."""
+        if seq.penalties.active:
+            raise ValueError("DSI does not support repetition, presence or frequency penalties")
+        self.seq, self.emit, self.done = seq, emit, False
+        self.m, self.jobs, self.queue = _metrics(), {}, deque()
+        self.round, self.used = 0, set()
+        now = time.perf_counter()
+        self.idle_since = {i: now for i in self.pool.alive}
+        tokens = seq.prompt_ids + seq.output_ids
+        self.fed: list[int] = []  # what the drafter has consumed
+        if self.drafter:
+            self.drafter.prefill([seq], [tokens[:-1]])
+            self.fed = tokens[:-1]
+        self._new_round(tokens)
+        for _ in self.pool.free():  # every server needs the prompt: prefill them all now
+            self._issue(0, [], prefill=True)
+        try:
+            while not self.done:
+                self._verify()
+                if self.done:
+                    break
+                self._cover()
+                if self._can_draft():
+                    self._draft_level()
+                    self._collect(0)
+                else:
+                    start = time.perf_counter()
+                    self._collect(ANSWER_TIMEOUT, wait=True)
+                    self.m["drafter_idle_s"] += time.perf_counter() - start
+        finally:
+            self._finish()
+        return self.m
+
+    def _new_round(self, tokens: list[int]) -> None:
+        self.S, self.tree, self.main, self.frontier = tokens, TokenTree(tokens[-1]), [0], 0
+        self.rows: dict[int, object] = {}
+        self.row_job: dict[int, int] = {}
+        self.block: list[int] = []  # drafted nodes no task covers yet
+        self.block_hang = 0
+        self.stalled = False  # the drafter proposed nothing under the main chain's end
+        self.round += 1
+        self.m["rounds"] += 1
+        for job in self.jobs.values():  # every task of the old round is on a wrong path
+            if job.server >= 0 and not job.cancelled and not job.prefill:
+                self.pool.preempt(job.server)
+                job.cancelled = time.perf_counter()
+                self.m["preemptions"] += 1
+        self.queue.clear()
+        if self.drafter:
+            keep = min(len(tokens) - 1, _common_prefix(self.fed, tokens))
+            self.drafter.rollback(self.seq.row, keep)
+            self.fed = self.fed[:keep]
+        if self.overlap or not self.drafter:
+            self._issue(0, [])
+
+    # -- drafting ---------------------------------------------------------------------------------
+
+    def _can_draft(self) -> bool:
+        if not self.drafter or self.stalled:
+            return False
+        levels = len(self.main) - 1
+        if len(self.S) + levels >= self.seq.max_len:  # nothing past the request's last token
+            return False
+        if not self.overlap:  # SI: a block, then its verification
+            return levels < self.lookahead and not self._round_jobs()
+        ahead = levels - self.tree.depths[self.frontier]
+        return ahead < self.lookahead * (len(self.pool.alive) + 1)
+
+    def _draft_level(self) -> None:
+        start = time.perf_counter()
+        round_ = self.round
+        context = self.S + self.tree.path_tokens(self.main[1:])
+        caps = [[1] for _ in self.drafter.ssms]
+        (t,) = self.drafter.draft([self.seq], [context], caps)
+        self.drafter.commit([self.seq], [len(context) - 1], [[0, 1] if len(t) > 1 else [0]])
+        self.fed = context
+        if self.draft_s is not None:  # an emulated drafter: the rest of its latency
+            while (left := start + self.draft_s - time.perf_counter()) > 0:
+                self._collect(left)
+                self._verify()
+                if self.done or self.round != round_:
+                    return  # the draft was on a path verification left
+        self.m["draft_s"] += time.perf_counter() - start
+        if len(t) == 1:
+            self.stalled = True
+            return
+        parent, new = self.main[-1], {}
+        for child, q, source in zip(t.prop_child, t.prop_q, t.prop_source):
+            row = -1 if q < 0 else self.tree.add_distribution(t.q_rows[q])
+            new[child] = self.tree.propose(parent, t.tokens[child], row, source)
+        self.main.append(new[1])
+        self.block += sorted(set(new.values()))
+        self.m["drafted"] += 1
+        depth = self.tree.depths[self.main[-1]]
+        if self.overlap and depth - self.tree.depths[self.block_hang] == self.lookahead:
+            self._issue(self.block_hang, self.block)
+            self.block, self.block_hang = [], self.main[-1]
+
+    # -- target tasks -----------------------------------------------------------------------------
+
+    def _round_jobs(self) -> list[_Job]:
+        return [j for j in self.jobs.values() if j.round == self.round and not j.cancelled]
+
+    def _cover(self) -> None:
+        """Start a task at the frontier when none in flight will give its row."""
+        f = self.frontier
+        if f in self.rows or any(f == j.hang or f in j.nodes for j in self._round_jobs()):
+            return
+        if not self.overlap and self._can_draft():
+            return  # SI: the block is not drafted yet
+        below = [n for n in self.block if n != f and _descends(self.tree, n, f)]
+        self._issue(f, below)
+        self.block, self.block_hang = [], self.main[-1]
+
+    def _issue(self, hang: int, nodes: list[int], prefill: bool = False) -> None:
+        path = _path(self.tree, hang)
+        main = set(self.main) if hang in self.main else set()
+        index = {n: i for i, n in enumerate(nodes)}
+        p = self.seq.params
+        task = Task(id=next(self._ids), context=self.S + self.tree.path_tokens(path[1:]),
+                    tokens=[self.tree.tokens[n] for n in nodes],
+                    parents=[index.get(self.tree.parents[n], -1) for n in nodes],
+                    main=[i for i, n in enumerate(nodes) if n in main],
+                    sampling=None if p.greedy else (p.temperature, p.top_k, p.top_p))  # fmt: skip
+        assert all(self.tree.parents[n] in index or self.tree.parents[n] == hang for n in nodes)
+        self.jobs[task.id] = _Job(task, self.round, hang, list(nodes), prefill=prefill)
+        self.m["prefills"] += prefill
+        self.queue.append(task.id)
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        now = time.perf_counter()
+        for server in self.pool.free():
+            if not self.queue:
+                return
+            job = self.jobs[self.queue.popleft()]
+            job.server, job.sent = server, now
+            self.m["target_idle_s"] += now - self.idle_since.get(server, now)
+            self.pool.submit(server, job.task)
+
+    def _collect(self, timeout: float, wait: bool = False) -> None:
+        """Take the servers' answers (waiting up to `timeout` s for one); with `wait`, no
+        answer within it is an error."""
+        results = self.pool.poll(timeout)
+        if wait and not results:
+            raise DSIError(f"no target server answered for {timeout:.0f} s")
+        now = time.perf_counter()
+        for r in results:
+            self.idle_since[r.server] = now
+            job = self.jobs.pop(r.task, None)
+            if r.status == "dead":
+                warnings.warn(f"DSI target server {r.server} died ({r.why.strip()[-300:]}); "
+                              f"continuing with {len(self.pool.alive)}", stacklevel=2)  # fmt: skip
+                self.m["servers_lost"] += 1
+                self.idle_since.pop(r.server, None)
+                continue
+            if job is None:
+                continue  # a previous request's task, stopped when it ended
+            self.m["target_forwards"] += 1
+            self.m["message_s"] += max(0.0, now - job.sent - r.compute_s)
+            if r.status == "done" and not job.prefill:
+                self.m["compute_s"] += r.compute_s
+                self.m["compute_n"] += 1
+            if r.status == "preempted" or job.round != self.round:
+                self.m["wasted_forwards"] += 1
+                if job.cancelled:
+                    self.m["preempt_wait_s"] += now - job.cancelled
+                continue
+            rows = list(r.rows)
+            for node, row in zip([job.hang] + job.nodes, rows):
+                if node not in self.rows:
+                    self.rows[node], self.row_job[node] = row, r.task
+        self._dispatch()
+
+    # -- verification -----------------------------------------------------------------------------
+
+    def _verify(self) -> None:
+        while not self.done and self.frontier in self.rows:
+            f = self.frontier
+            self.used.add(self.row_job[f])
+            child, token = self._step(f, self.rows[f])
+            self.m["tested"] += bool(self.tree.children[f])
+            if child is not None:
+                self.frontier = child
+                self.m["accepted"] += 1
+            self.done = self.emit([token])
+            if child is None and not self.done:
+                self._new_round(self.S + self.tree.path_tokens(_path(self.tree, f)[1:]) + [token])
+
+    def _step(self, f: int, row) -> tuple[int | None, int]:
+        """Verify node f's children with the target's row at f: (the accepted child or None,
+        the token emitted)."""
+        tree = self.tree
+        if self.seq.params.greedy:
+            if int(row) < 0:
+                raise DSIError("an emulated target server's trace has no token at the frontier")
+            child = tree.children[f].get(int(row))
+            return child, int(row)
+        kids = sorted(tree.children[f].values())
+        local = {c: i + 1 for i, c in enumerate(kids)}
+        props = [(c, q) for p, c, q in zip(tree.prop_parent, tree.prop_child, tree.prop_q)
+                 if p == f]  # fmt: skip
+        p = torch.from_numpy(np.ascontiguousarray(row))
+        probs = p.expand(len(kids) + 1, -1).contiguous()  # children's rows are never read here
+        q = torch.stack(tree.q_rows) if tree.q_rows else None
+        gen = self.seq.generator
+        seed = int(torch.randint(0, 2**62, (1,), generator=gen, device=gen.device))
+        path, token = verify.verify_stochastic(
+            [-1] + [0] * len(kids), [tree.tokens[f]] + [tree.tokens[c] for c in kids], probs,
+            ([0] * len(props), [local[c] for c, _ in props], [q for _, q in props]), q, seed)  # fmt: skip
+        if len(path) > 1:
+            child = kids[path[1] - 1]
+            return child, tree.tokens[child]
+        return None, token
+
+    def _finish(self) -> None:
+        """Stop what still runs and wait (bounded) for the servers' answers, so the next
+        request finds them free; count the tasks whose rows were never read."""
+        for job in self.jobs.values():
+            if job.server >= 0 and not job.cancelled:
+                self.pool.preempt(job.server)
+                job.cancelled = time.perf_counter()
+        self.round += 1  # whatever answers now is wasted
+        deadline = time.perf_counter() + 30
+        while self.pool.busy and time.perf_counter() < deadline and self.pool.alive:
+            self._collect(0.5)
+        now = time.perf_counter()
+        for server in self.pool.free():
+            self.m["target_idle_s"] += now - self.idle_since.get(server, now)
+        self.m["blocks_verified"] = len(self.used)
+        # The extra prefills (a request's first task on every server) are not waste.
+        extra = max(0, min(self.m["prefills"], len(self.pool.alive)) - 1)
+        self.m["wasted_forwards"] = max(0, self.m["target_forwards"] - len(self.used) - extra)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _path(tree: TokenTree, node: int) -> list[int]:
+    path = [node]
+    while tree.parents[path[-1]] >= 0:
+        path.append(tree.parents[path[-1]])
+    return path[::-1]
+
+
+def _descends(tree: TokenTree, node: int, ancestor: int) -> bool:
+    while node > ancestor:
+        node = tree.parents[node]
+    return node == ancestor
+
+
+def choose_lookahead(target_s: float, drafter_s: float, servers: int) -> int:
+    """Equation 1: the smallest lookahead whose verification tasks `servers` keep up with."""
+    return min_lookahead(max(target_s, 1e-6), max(drafter_s, 1e-6), servers)

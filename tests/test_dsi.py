@@ -1,0 +1,213 @@
+"""DSI over real target server processes: lossless (greedy token-identical, sampling by a
+chi-squared test), the SI and non-SI baselines through the same servers, emulated servers that
+replay a trace, a server killed mid-run, and bad input. Every pool is closed by its test (a
+`with Engine`, or `finally`), and every wait has a deadline (the pool's ANSWER_TIMEOUT)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from specinfer import Engine, SamplingParams
+from specinfer.dsi.mode import DSIMode, server_spec
+from specinfer.dsi.orchestrator import choose_lookahead
+from specinfer.dsi.servers import DSIError, TargetPool
+from specinfer.ngram import NgramConfig, NgramDrafter
+from specinfer.tree import TreeConfig
+from test_speculative import (  # noqa: F401
+    PROMPT,
+    _chi_squared_p,
+    _sample_first3,
+    exact,
+    tiny_pair,
+)
+
+PROMPTS = [PROMPT, [3], [5, 5, 1, 0, 2, 4, 4], [2, 3]]
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+DSI_SAMPLES = 3000  # requests run one at a time: fewer than the tree tests' 20k
+
+
+def _ids(outs) -> list[list[int]]:
+    return [o.token_ids for o in outs]
+
+
+def _no_servers_left(timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not multiprocessing.active_children()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_pair):  # noqa: F811
+    return _ids(Engine(tiny_pair[0], dtype="float32").generate(PROMPTS, GREEDY))
+
+
+@pytest.mark.parametrize("servers, lookahead", [(1, 1), (2, 3), (3, 2), (2, None)])
+def test_dsi_greedy_equals_incremental(tiny_pair, reference, servers, lookahead):  # noqa: F811
+    target, other = tiny_pair
+    with Engine(target, dtype="float32", ssm=[other, "ngram"], mode="dsi",
+                target_servers=servers, lookahead=lookahead) as engine:  # fmt: skip
+        outs = engine.generate(PROMPTS, GREEDY)
+        if lookahead is None:  # Equation 1 from the latencies measured at start
+            measured = engine.dsi.latencies
+            assert measured["target_s"] > 0 and measured["drafter_s"] > 0
+            lookahead = choose_lookahead(measured["target_s"], measured["drafter_s"], servers)
+        assert engine.dsi.lookahead == lookahead
+    assert _ids(outs) == reference
+    m = [o.metrics["dsi"] for o in outs]
+    assert sum(x["accepted"] for x in m) > 0, "no draft was accepted: verification untested"
+    assert sum(x["rounds"] for x in m) > len(PROMPTS), "no draft was rejected"
+    assert all(
+        x["blocks_verified"] >= 1 and x["target_forwards"] >= x["blocks_verified"] for x in m
+    )
+    assert _no_servers_left()
+
+
+def test_si_and_non_si_through_the_same_servers_equal_incremental(tiny_pair, reference):  # noqa: F811
+    target, other = tiny_pair
+    engine = Engine(target, dtype="float32", ssm=other, tree="1", adaptive_tree=False)
+    pool = TargetPool(server_spec(engine), 1)
+    try:
+        for kwargs in ({"overlap": False, "lookahead": 3}, {"drafter": False, "lookahead": 1}):
+            mode = DSIMode(engine, pool, **kwargs)
+            outs = []
+            for prompt in PROMPTS:
+                seq = engine.make_sequence(prompt, GREEDY)
+                engine.add_sequence(seq)
+                mode.step(engine)
+                outs.append(seq.completion())
+            assert _ids(outs) == reference, kwargs
+            forwards = sum(o.metrics["dsi"]["target_forwards"] for o in outs)
+            if "drafter" in kwargs:  # non-SI: one forward per token
+                assert forwards == sum(len(o.token_ids) for o in outs)
+            else:  # SI never overlaps: nothing runs ahead to be preempted
+                assert sum(o.metrics["dsi"]["preemptions"] for o in outs) == 0
+    finally:
+        pool.close()
+    assert _no_servers_left()
+
+
+@pytest.mark.parametrize("tree", [TreeConfig((2,), sample_children=True), TreeConfig((2,))],
+                         ids=["sampled children", "top-k children"])  # fmt: skip
+def test_dsi_sampling_matches_the_incremental_distribution(tiny_pair, exact, tree):  # noqa: F811
+    target, other = tiny_pair
+    with Engine(target, dtype="float32", ssm=other, tree=tree, mode="dsi", target_servers=2,
+                lookahead=2) as engine:  # fmt: skip
+        counts = _sample_first3(engine, n=DSI_SAMPLES)
+    stat, p = _chi_squared_p(counts, exact, DSI_SAMPLES)
+    print(f"\nDSI sampling ({tree}): chi2 = {stat:.1f}, p = {p:.3f}")
+    assert p > 0.01, f"chi2 = {stat:.1f}, p = {p:.2e}"
+
+
+def test_emulated_servers_replay_the_trace_at_their_latency(tiny_pair, reference):  # noqa: F811
+    """Trace servers answer the recorded tokens (and -1 off the trace, never read) after the
+    emulated latency: DSI over them reproduces the trace for any SP."""
+    target, other = tiny_pair
+    engine = Engine(target, dtype="float32", ssm=other, tree="1", adaptive_tree=False)
+    for servers in (1, 3):
+        pool = TargetPool(server_spec(engine, latency_s=0.01), servers)
+        try:
+            mode = DSIMode(engine, pool, lookahead=2, draft_s=0.002)
+            for prompt, expected in zip(PROMPTS, reference):
+                pool.set_trace(list(prompt) + expected)
+                seq = engine.make_sequence(prompt, GREEDY)
+                engine.add_sequence(seq)
+                start = time.perf_counter()
+                mode.step(engine)
+                assert seq.output_ids == expected
+                m = seq.metrics["dsi"]
+                # Each verified block waited on a 10 ms forward: no faster than its blocks allow.
+                assert time.perf_counter() - start >= 0.01 * m["blocks_verified"] / servers
+        finally:
+            pool.close()
+    assert _no_servers_left()
+
+
+def test_a_killed_server_leaves_the_pool_running_on_fewer(tiny_pair, reference):  # noqa: F811
+    """Killing one of two servers mid-request: the request ends with the right tokens on the
+    other (a warning says so); killing the last one is a DSIError, not a hang."""
+    target, other = tiny_pair
+    engine = Engine(target, dtype="float32", ssm=other, tree="1", adaptive_tree=False)
+    pool = TargetPool(server_spec(engine, latency_s=0.05), 2)
+    try:
+        mode = DSIMode(engine, pool, lookahead=2, draft_s=0.002)
+        pool.set_trace(list(PROMPTS[0]) + reference[0])
+        seq = engine.make_sequence(PROMPTS[0], GREEDY)
+        engine.add_sequence(seq)
+        threading.Timer(0.1, os.kill, (pool.procs[1].pid, signal.SIGKILL)).start()
+        with pytest.warns(UserWarning, match="target server 1 died"):
+            mode.step(engine)
+        assert seq.output_ids == reference[0]
+        assert seq.metrics["dsi"]["servers_lost"] == 1 and pool.alive == {0}
+        os.kill(pool.procs[0].pid, signal.SIGKILL)
+        seq = engine.make_sequence(PROMPTS[1], GREEDY)
+        engine.add_sequence(seq)
+        start = time.monotonic()
+        with pytest.warns(UserWarning), pytest.raises(DSIError, match="every target server"):
+            mode.step(engine)
+        assert time.monotonic() - start < 30
+        assert seq.finished and seq.finish_reason == "abort"
+    finally:
+        pool.close()
+    assert _no_servers_left()
+
+
+def test_dsi_bad_input_is_a_clear_error(tiny_pair):  # noqa: F811
+    target, other = tiny_pair
+    with pytest.raises(ValueError, match="target_servers must be an integer >= 1"):
+        Engine(target, dtype="float32", ssm=other, mode="dsi", target_servers=0)
+    with pytest.raises(ValueError, match="lookahead must be an integer"):
+        Engine(target, dtype="float32", ssm=other, mode="dsi", lookahead=0)
+    with pytest.raises(ValueError, match="no tensor/pipeline parallelism"):
+        Engine(target, dtype="float32", ssm=other, mode="dsi", tensor_parallel=2)
+    with pytest.raises(ValueError, match="needs an ssm"):
+        Engine(target, dtype="float32", mode="dsi")
+    with Engine(target, dtype="float32", ssm=other, mode="dsi", lookahead=1) as engine:
+        with pytest.raises(ValueError, match="penalties"):
+            engine.generate(PROMPT, SamplingParams(max_tokens=4, repetition_penalty=1.2))
+        # The engine still serves after the refused request.
+        assert len(engine.generate(PROMPT, SamplingParams(max_tokens=4)).pop().token_ids) == 4
+    assert _no_servers_left()
+
+
+def test_ngram_rollback_forgets_the_rejected_tokens():
+    """DSI rolls a drafter back past a rejection: the n-gram index must then match one built
+    from the verified tokens alone."""
+    rolled, fresh = NgramDrafter(NgramConfig(max_n=2)), NgramDrafter(NgramConfig(max_n=2))
+    rolled.reset(1, 64)
+    fresh.reset(1, 64)
+    verified = [1, 2, 3, 1, 2]
+    rolled.indexes[0].extend(verified + [9, 1, 2, 9])
+    rolled.rollback(0, len(verified))
+    rolled.indexes[0].extend(verified + [3])
+    fresh.indexes[0].extend(verified + [3])
+    assert rolled.indexes[0].ends == fresh.indexes[0].ends
+
+
+def test_the_sampling_check_catches_a_biased_verifier(tiny_pair, exact, monkeypatch):  # noqa: F811
+    """The chi-squared test above can fail: a verifier that accepts a drafted child whenever the
+    target gives it any mass (instead of with probability p) is caught."""
+    from specinfer.dsi.orchestrator import Orchestrator
+
+    step = Orchestrator._step
+
+    def biased(self, f, row):
+        kids = self.tree.children[f]
+        if not self.seq.params.greedy and kids:
+            child = min(kids.values())
+            if row[self.tree.tokens[child]] > 0:
+                return child, self.tree.tokens[child]
+        return step(self, f, row)
+
+    monkeypatch.setattr(Orchestrator, "_step", biased)
+    target, other = tiny_pair
+    with Engine(target, dtype="float32", ssm=other, tree="1", mode="dsi", lookahead=2) as engine:
+        counts = _sample_first3(engine, n=DSI_SAMPLES)
+    stat, p = _chi_squared_p(counts, exact, DSI_SAMPLES)
+    assert p < 0.01, f"a biased verifier passed: chi2 = {stat:.1f}, p = {p:.3f}"
