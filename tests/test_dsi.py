@@ -211,3 +211,38 @@ def test_the_sampling_check_catches_a_biased_verifier(tiny_pair, exact, monkeypa
         counts = _sample_first3(engine, n=DSI_SAMPLES)
     stat, p = _chi_squared_p(counts, exact, DSI_SAMPLES)
     assert p < 0.01, f"a biased verifier passed: chi2 = {stat:.1f}, p = {p:.3f}"
+
+
+def _held_out_chats(n: int) -> list:
+    """The held-out chat prompts (benchmarks/data/held_out.jsonl, built by make_prompts.py),
+    else the written ones the other SmolLM2 tests use."""
+    import json
+    from pathlib import Path
+
+    from test_penalties import _smollm_prompts
+
+    file = Path(__file__).parent.parent / "benchmarks" / "data" / "held_out.jsonl"
+    if not file.is_file():
+        return _smollm_prompts(n)
+    lines = file.read_text().splitlines()[:n]
+    return [[{"role": "user", "content": json.loads(line)["prompt"]}] for line in lines]
+
+
+@pytest.mark.slow
+def test_smollm_dsi_greedy_equals_incremental(smollm_gguf):
+    """The real models: SmolLM2 on two target servers, the shipped SSM and prompt lookup
+    drafting, 30 held-out prompts x 64 tokens, bfloat16: token-identical to incremental."""
+    prompts = _held_out_chats(30)
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    with Engine(smollm_gguf, dtype="bfloat16", max_batch_size=1) as engine:
+        reference = _ids(engine.generate(prompts, params))
+    with Engine(smollm_gguf, dtype="bfloat16", ssm=["ngram", "default"], mode="dsi",
+                target_servers=2) as engine:  # fmt: skip
+        outs = engine.generate(prompts, params)
+        lookahead = engine.dsi.lookahead
+    same = sum(a == b for a, b in zip(_ids(outs), reference))
+    accepted = sum(o.metrics["dsi"]["accepted"] for o in outs)
+    print(f"\nDSI SmolLM2: {same}/{len(prompts)} identical, lookahead {lookahead}, "
+          f"{accepted} drafts accepted")  # fmt: skip
+    assert _ids(outs) == reference
+    assert accepted > 0
