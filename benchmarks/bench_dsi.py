@@ -67,7 +67,7 @@ def measure(engine, mode: DSIMode, prompts, expected, pool, params, emulated: bo
         "ms_per_token": 1000 * statistics.mean(per_token),
         "identical": f"{identical}/{len(prompts)}",
         "target_ms": 1000 * total["compute_s"] / max(1, total["compute_n"]),
-        "drafter_ms": 1000 * total["draft_s"] / max(1, total["drafted"]),
+        "drafter_ms": 1000 * total["draft_s"] / max(1, total["draft_calls"]),
         "acceptance": total["accepted"] / max(1, total["tested"]),
         "message_ms_per_task": 1000 * total["message_s"] / forwards,
         "preemptions": total["preemptions"],

@@ -57,7 +57,7 @@ class DSIMode:
         self.step(engine)
         m = seq.metrics["dsi"]
         target_s = m["compute_s"] / max(1, m["compute_n"])
-        drafter_s = m["draft_s"] / max(1, m["drafted"])
+        drafter_s = m["draft_s"] / max(1, m["draft_calls"])
         servers = len(self.pool.alive)
         self.orchestrator.lookahead = min(
             MAX_LOOKAHEAD, choose_lookahead(target_s, drafter_s, servers)

@@ -28,6 +28,8 @@ the frontier's coverage reissues what is needed); a DSIError when none is left.
 from __future__ import annotations
 
 import itertools
+import socket
+import threading
 import time
 import warnings
 from collections import deque
@@ -57,7 +59,7 @@ class _Job:
 
 
 def _metrics() -> dict:
-    return dict(rounds=0, drafted=0, tested=0, accepted=0, target_forwards=0, blocks_verified=0,
+    return dict(rounds=0, draft_calls=0, drafted=0, tested=0, accepted=0, target_forwards=0, blocks_verified=0,
                 wasted_forwards=0, prefills=0, preemptions=0, servers_lost=0, drafter_idle_s=0.0,
                 target_idle_s=0.0, message_s=0.0, preempt_wait_s=0.0, draft_s=0.0,
                 compute_s=0.0, compute_n=0)  # fmt: skip
@@ -73,17 +75,23 @@ class Orchestrator:
         self.pool, self.drafter, self.lookahead = pool, drafter, lookahead
         self.overlap, self.draft_s = overlap, draft_s
         self._ids = itertools.count(1)
+        self.wake, self._waker = socket.socketpair()  # the drafter wakes the serving thread
 
     # -- a request --------------------------------------------------------------------------------
 
     def run(self, seq, emit) -> dict:
         """Generate for `seq` (an engine Sequence holding a drafter row) until `emit(tokens)`
-        returns True (it appends them and says whether the request finished); its metrics."""
+        returns True (it appends them and says whether the request finished); its metrics.
+
+        Two threads: this one handles the servers' answers, verifies and covers the frontier;
+        the drafter's drafts levels (torch releases the GIL in its forwards), so an answer is
+        handled while the drafter computes. They share the round's state under one lock."""
         if seq.penalties.active:
             raise ValueError("DSI does not support repetition, presence or frequency penalties")
-        self.seq, self.emit, self.done = seq, emit, False
+        self.seq, self.emit, self.done, self.error = seq, emit, False, None
         self.m, self.jobs, self.queue = _metrics(), {}, deque()
         self.round, self.used = 0, set()
+        self.lock = threading.Condition()
         now = time.perf_counter()
         self.idle_since = {i: now for i in self.pool.alive}
         tokens = seq.prompt_ids + seq.output_ids
@@ -91,27 +99,72 @@ class Orchestrator:
         if self.drafter:
             self.drafter.prefill([seq], [tokens[:-1]])
             self.fed = tokens[:-1]
-        self._new_round(tokens)
-        for _ in self.pool.free():  # every server needs the prompt: prefill them all now
-            self._issue(0, [], prefill=True)
+        drafting = threading.Thread(target=self._drafter_loop, name="specinfer-dsi-drafter",
+                                    daemon=True)  # fmt: skip
+        with self.lock:
+            self._new_round(tokens, prefill=True)
+            for _ in self.pool.free():  # every server needs the prompt: prefill them all now
+                self._issue(0, [], prefill=True)
+        if self.drafter:
+            drafting.start()
         try:
-            while not self.done:
-                self._verify()
-                if self.done:
-                    break
-                self._cover()
-                if self._can_draft():
-                    self._draft_level()
-                    self._collect(0)
-                else:
-                    start = time.perf_counter()
-                    self._collect(ANSWER_TIMEOUT, wait=True)
-                    self.m["drafter_idle_s"] += time.perf_counter() - start
+            with self.lock:
+                self._serve()
         finally:
-            self._finish()
+            with self.lock:
+                self.done = True
+                self.lock.notify_all()
+            if drafting.is_alive():
+                drafting.join(timeout=ANSWER_TIMEOUT)
+            with self.lock:
+                self._finish()
         return self.m
 
-    def _new_round(self, tokens: list[int]) -> None:
+    def _serve(self) -> None:
+        """This thread's loop (the lock held but while waiting for the servers)."""
+        waited = 0.0
+        while not self.done:
+            self._verify()
+            if self.done or self.error is not None:
+                break
+            self._cover()
+            self.lock.notify_all()  # the frontier moved, or a round began: the drafter may go on
+            self.lock.release()
+            try:
+                start = time.perf_counter()
+                results, woken = self.pool.poll(ANSWER_TIMEOUT, wake=self.wake)
+                waited = 0.0 if results or woken else waited + time.perf_counter() - start
+            finally:
+                self.lock.acquire()
+            if waited >= ANSWER_TIMEOUT:
+                raise DSIError(f"no target server answered for {ANSWER_TIMEOUT:.0f} s")
+            self._take(results)
+        if self.error is not None:
+            raise self.error
+
+    def _drafter_loop(self) -> None:
+        try:
+            while True:
+                with self.lock:
+                    start = time.perf_counter()
+                    while not self.done and not self._can_draft():
+                        self.lock.wait()
+                    self.m["drafter_idle_s"] += time.perf_counter() - start
+                    if self.done:
+                        return
+                    round_ = self.round
+                    context = self.S + self.tree.path_tokens(self.main[1:])
+                level = self._draft(context)
+                with self.lock:
+                    if not self.done and self.round == round_:
+                        self._add_level(level)
+                    self._wake()
+        except BaseException as e:  # handed to the serving thread, which raises it
+            with self.lock:
+                self.error, self.done = e, True
+                self._wake()
+
+    def _new_round(self, tokens: list[int], prefill: bool = False) -> None:
         self.S, self.tree, self.main, self.frontier = tokens, TokenTree(tokens[-1]), [0], 0
         self.rows: dict[int, object] = {}
         self.row_job: dict[int, int] = {}
@@ -126,12 +179,8 @@ class Orchestrator:
                 job.cancelled = time.perf_counter()
                 self.m["preemptions"] += 1
         self.queue.clear()
-        if self.drafter:
-            keep = min(len(tokens) - 1, _common_prefix(self.fed, tokens))
-            self.drafter.rollback(self.seq.row, keep)
-            self.fed = self.fed[:keep]
-        if self.overlap or not self.drafter:
-            self._issue(0, [])
+        if self.overlap or not self.drafter or prefill:
+            self._issue(0, [], prefill=prefill)
 
     # -- drafting ---------------------------------------------------------------------------------
 
@@ -146,23 +195,29 @@ class Orchestrator:
         ahead = levels - self.tree.depths[self.frontier]
         return ahead < self.lookahead * (len(self.pool.alive) + 1)
 
-    def _draft_level(self) -> None:
+    def _draft(self, context: list[int]) -> TokenTree:
+        """One drafter forward (the drafter thread's, outside the lock): the merged proposals
+        under the context's last token. The drafter first forgets what a rejection left."""
         start = time.perf_counter()
-        round_ = self.round
-        context = self.S + self.tree.path_tokens(self.main[1:])
-        caps = [[1] for _ in self.drafter.ssms]
-        (t,) = self.drafter.draft([self.seq], [context], caps)
+        keep = min(len(context) - 1, _common_prefix(self.fed, context))
+        if keep < len(self.fed):
+            self.drafter.rollback(self.seq.row, keep)
+            self.fed = self.fed[:keep]
+        (t,) = self.drafter.draft([self.seq], [context], [[1] for _ in self.drafter.ssms])
+        self.m["draft_calls"] += 1
         self.drafter.commit([self.seq], [len(context) - 1], [[0, 1] if len(t) > 1 else [0]])
         self.fed = context
         if self.draft_s is not None:  # an emulated drafter: the rest of its latency
-            while (left := start + self.draft_s - time.perf_counter()) > 0:
-                self._collect(left)
-                self._verify()
-                if self.done or self.round != round_:
-                    return  # the draft was on a path verification left
+            time.sleep(max(0.0, start + self.draft_s - time.perf_counter()))
         self.m["draft_s"] += time.perf_counter() - start
+        return t
+
+    def _add_level(self, t: TokenTree) -> None:
+        """Hang a drafted level under the main chain's end; a block task every lookahead
+        levels (SI: the block once drafted)."""
         if len(t) == 1:
             self.stalled = True
+            self._cover()
             return
         parent, new = self.main[-1], {}
         for child, q, source in zip(t.prop_child, t.prop_q, t.prop_source):
@@ -175,6 +230,15 @@ class Orchestrator:
         if self.overlap and depth - self.tree.depths[self.block_hang] == self.lookahead:
             self._issue(self.block_hang, self.block)
             self.block, self.block_hang = [], self.main[-1]
+        self._cover()
+
+    def _wake(self) -> None:
+        """Wake the serving thread from its wait on the servers."""
+        self.lock.notify_all()
+        try:
+            self._waker.send(b"x")
+        except OSError:
+            pass
 
     # -- target tasks -----------------------------------------------------------------------------
 
@@ -218,12 +282,8 @@ class Orchestrator:
             self.m["target_idle_s"] += now - self.idle_since.get(server, now)
             self.pool.submit(server, job.task)
 
-    def _collect(self, timeout: float, wait: bool = False) -> None:
-        """Take the servers' answers (waiting up to `timeout` s for one); with `wait`, no
-        answer within it is an error."""
-        results = self.pool.poll(timeout)
-        if wait and not results:
-            raise DSIError(f"no target server answered for {timeout:.0f} s")
+    def _take(self, results: list) -> None:
+        """The servers' answers: rows for the round's nodes; free servers get queued tasks."""
         now = time.perf_counter()
         for r in results:
             self.idle_since[r.server] = now
@@ -303,7 +363,7 @@ class Orchestrator:
         self.round += 1  # whatever answers now is wasted
         deadline = time.perf_counter() + 30
         while self.pool.busy and time.perf_counter() < deadline and self.pool.alive:
-            self._collect(0.5)
+            self._take(self.pool.poll(0.5)[0])
         now = time.perf_counter()
         for server in self.pool.free():
             self.m["target_idle_s"] += now - self.idle_since.get(server, now)

@@ -274,14 +274,19 @@ class TargetPool:
         except (BrokenPipeError, OSError):
             pass  # its death is reported by poll()
 
-    def poll(self, timeout: float | None) -> list[Result]:
-        """What the servers answered (or that one died) within `timeout` seconds."""
+    def poll(self, timeout: float | None, wake=None) -> tuple[list[Result], bool]:
+        """What the servers answered (or that one died) within `timeout` seconds, and whether
+        `wake` (a socket another thread writes to) ended the wait."""
         live = sorted(self.alive)
         if not live:
             raise DSIError("every target server has died")
         by_handle = {self.conns[i]: i for i in live} | {self.procs[i].sentinel: i for i in live}
-        out = []
-        for handle in wait(list(by_handle), timeout):
+        out, woken = [], False
+        for handle in wait(list(by_handle) + ([wake] if wake is not None else []), timeout):
+            if handle is wake:
+                wake.recv(4096)
+                woken = True
+                continue
             i = by_handle[handle]
             if i not in self.alive:
                 continue
@@ -301,7 +306,7 @@ class TargetPool:
             self.procs[i].join(timeout=1)
             self.alive.discard(i)
             out.append(Result(i, self.busy.pop(i, -1), "dead", why=why))
-        return out
+        return out, woken
 
     def close(self) -> None:
         """Stop every server: a stop message, then terminate, then kill."""
