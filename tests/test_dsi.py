@@ -88,6 +88,19 @@ def test_si_and_non_si_through_the_same_servers_equal_incremental(tiny_pair, ref
                 assert forwards == sum(len(o.token_ids) for o in outs)
             else:  # SI never overlaps: nothing runs ahead to be preempted
                 assert sum(o.metrics["dsi"]["preemptions"] for o in outs) == 0
+        # A DSI orchestrator after them on the same pool (whose servers keep their cancel
+        # flags) wastes nothing on tasks those flags would stop at once.
+        dsi = DSIMode(engine, pool, lookahead=2)
+        seq = engine.make_sequence(PROMPTS[0], GREEDY)
+        engine.add_sequence(seq)
+        dsi.step(engine)
+        again = DSIMode(engine, pool, lookahead=2)
+        seq = engine.make_sequence(PROMPTS[0], GREEDY)
+        engine.add_sequence(seq)
+        again.step(engine)
+        assert seq.output_ids == reference[0]
+        m = seq.metrics["dsi"]
+        assert m["wasted_forwards"] <= m["preemptions"], m
     finally:
         pool.close()
     assert _no_servers_left()
@@ -246,3 +259,18 @@ def test_smollm_dsi_greedy_equals_incremental(smollm_gguf):
           f"{accepted} drafts accepted")  # fmt: skip
     assert _ids(outs) == reference
     assert accepted > 0
+
+
+def test_cli_generate_with_dsi(tiny_pair, capsys):  # noqa: F811
+    """`specinfer generate --mode dsi --target-servers 2`: no default penalty gets in the way
+    (DSI refuses penalties), the stats name DSI's metrics, the servers stop."""
+    from specinfer.cli import main as cli_main
+
+    target, other = tiny_pair
+    rc = cli_main(["generate", "hello", "--model", str(target), "--ssm", str(other), "--mode",
+                   "dsi", "--target-servers", "2", "--lookahead", "2", "--max-tokens", "8",
+                   "--no-chat", "--dtype", "float32", "--stats"])  # fmt: skip
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "blocks verified" in err and "wasted forwards" in err
+    assert _no_servers_left()

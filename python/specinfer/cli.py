@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         "--frequency-penalty",
         type=float,
         default=None,
-        help="OpenAI's, in [-2, 2] (default 0.3 when sampling, 0 with --temperature 0)",
+        help="OpenAI's, in [-2, 2] (default 0.3 when sampling, 0 with --temperature 0 or "
+        "--mode dsi)",
     )
     gen.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
     gen.add_argument("--repetition-penalty", type=float, default=1.0, help="HF's (default 1 = off)")
@@ -133,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         frequency = args.frequency_penalty
-        if frequency is None:
-            frequency = 0.3 if args.temperature > 0 else 0.0
+        if frequency is None:  # DSI refuses penalties: its default is none
+            frequency = 0.3 if args.temperature > 0 and args.mode != "dsi" else 0.0
         params = SamplingParams(
             max_tokens=args.max_tokens,
             temperature=args.temperature,
@@ -145,15 +146,15 @@ def main(argv: list[str] | None = None) -> int:
             presence_penalty=args.presence_penalty,
             frequency_penalty=frequency,
         )
-        engine = engine_from_args(args)
-        use_chat = args.chat if args.chat is not None else bool(engine.tokenizer.chat_template)
-        prompt = [{"role": "user", "content": args.prompt}] if use_chat else args.prompt
-        for delta in engine.stream(prompt, params):
-            sys.stdout.write(delta)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-        if args.stats:
-            print(_format_stats(engine.last_metrics), file=sys.stderr)
+        with engine_from_args(args) as engine:  # stops any worker or server processes
+            use_chat = args.chat if args.chat is not None else bool(engine.tokenizer.chat_template)
+            prompt = [{"role": "user", "content": args.prompt}] if use_chat else args.prompt
+            for delta in engine.stream(prompt, params):
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            if args.stats:
+                print(_format_stats(engine.last_metrics), file=sys.stderr)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"specinfer: error: {e}", file=sys.stderr)
         return 2

@@ -27,7 +27,6 @@ the frontier's coverage reissues what is needed); a DSIError when none is left.
 
 from __future__ import annotations
 
-import itertools
 import socket
 import threading
 import time
@@ -74,7 +73,6 @@ class Orchestrator:
             raise ValueError(f"lookahead must be an integer >= 1, got {lookahead!r}")
         self.pool, self.drafter, self.lookahead = pool, drafter, lookahead
         self.overlap, self.draft_s = overlap, draft_s
-        self._ids = itertools.count(1)
         self.wake, self._waker = socket.socketpair()  # the drafter wakes the serving thread
 
     # -- a request --------------------------------------------------------------------------------
@@ -261,7 +259,7 @@ class Orchestrator:
         main = set(self.main) if hang in self.main else set()
         index = {n: i for i, n in enumerate(nodes)}
         p = self.seq.params
-        task = Task(id=next(self._ids), context=self.S + self.tree.path_tokens(path[1:]),
+        task = Task(id=self.pool.next_id(), context=self.S + self.tree.path_tokens(path[1:]),
                     tokens=[self.tree.tokens[n] for n in nodes],
                     parents=[index.get(self.tree.parents[n], -1) for n in nodes],
                     main=[i for i, n in enumerate(nodes) if n in main],

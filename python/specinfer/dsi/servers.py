@@ -27,6 +27,7 @@ server and every server process's sentinel in one call: a server that dies is se
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
 import time
 import traceback
@@ -223,6 +224,9 @@ class TargetPool:
             self.procs.append(p)
         self.alive = set(range(size))
         self.busy: dict[int, int] = {}  # server -> the id of the task it runs
+        # Task ids rise over the pool's life (not per orchestrator): a server takes its
+        # cancel flag, the highest id stopped, as covering every task up to it.
+        self._ids = itertools.count(1)
         try:
             self._wait_ready()
         except BaseException:
@@ -251,6 +255,9 @@ class TargetPool:
                     waiting.discard(i)
                 elif not self.procs[i].is_alive():
                     raise DSIError(f"target server {i} exited with code {self.procs[i].exitcode}")
+
+    def next_id(self) -> int:
+        return next(self._ids)
 
     def free(self) -> list[int]:
         return sorted(self.alive - set(self.busy))
