@@ -122,7 +122,7 @@ def test_speculation_into_the_context_limit_ends_with_length(short_context, tiny
     "kwargs, message",
     [
         ({"max_batch_size": 0}, "max_batch_size must be at least 1, got 0"),
-        ({"mode": "beam"}, "mode must be 'incremental', 'sequence' or 'tree', got 'beam'"),
+        ({"mode": "beam"}, "mode must be 'incremental', 'sequence', 'tree' or 'dsi', got 'beam'"),
         ({"verifier": "exact"}, "verifier must be 'mss' or 'naive', got 'exact'"),
         ({"dtype": "float16"}, "dtype float16 is not supported on the CPU"),
         ({"dtype": "int8"}, "unknown dtype 'int8'"),
