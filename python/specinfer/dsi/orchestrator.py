@@ -73,7 +73,6 @@ class Orchestrator:
             raise ValueError(f"lookahead must be an integer >= 1, got {lookahead!r}")
         self.pool, self.drafter, self.lookahead = pool, drafter, lookahead
         self.overlap, self.draft_s = overlap, draft_s
-        self.wake, self._waker = socket.socketpair()  # the drafter wakes the serving thread
 
     # -- a request --------------------------------------------------------------------------------
 
@@ -90,6 +89,7 @@ class Orchestrator:
         self.m, self.jobs, self.queue = _metrics(), {}, deque()
         self.round, self.used = 0, set()
         self.lock = threading.Condition()
+        self.wake, self._waker = socket.socketpair()  # the drafter wakes the serving thread
         now = time.perf_counter()
         self.idle_since = {i: now for i in self.pool.alive}
         tokens = seq.prompt_ids + seq.output_ids
@@ -116,6 +116,8 @@ class Orchestrator:
                 drafting.join(timeout=ANSWER_TIMEOUT)
             with self.lock:
                 self._finish()
+            self.wake.close()
+            self._waker.close()
         return self.m
 
     def _serve(self) -> None:
