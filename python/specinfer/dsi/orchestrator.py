@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from specinfer import verify
-from specinfer.dsi.servers import DSIError, TargetPool, Task
+from specinfer.dsi.servers import DSIError, TargetPool, Task, common_prefix
 from specinfer.dsi.sim import min_lookahead
 from specinfer.tree import TokenTree
 
@@ -58,10 +58,12 @@ class _Job:
 
 
 def _metrics() -> dict:
-    return dict(rounds=0, draft_calls=0, drafted=0, tested=0, accepted=0, target_forwards=0, blocks_verified=0,
-                wasted_forwards=0, prefills=0, preemptions=0, servers_lost=0, drafter_idle_s=0.0,
-                target_idle_s=0.0, message_s=0.0, preempt_wait_s=0.0, draft_s=0.0,
-                compute_s=0.0, compute_n=0)  # fmt: skip
+    counts = ("rounds", "draft_calls", "drafted", "tested", "accepted", "target_forwards",
+              "blocks_verified", "wasted_forwards", "prefills", "preemptions", "servers_lost",
+              "compute_n")  # fmt: skip
+    seconds = ("drafter_idle_s", "target_idle_s", "message_s", "preempt_wait_s", "draft_s",
+               "compute_s")  # fmt: skip
+    return dict.fromkeys(counts, 0) | dict.fromkeys(seconds, 0.0)
 
 
 class Orchestrator:
@@ -199,7 +201,7 @@ class Orchestrator:
         """One drafter forward (the drafter thread's, outside the lock): the merged proposals
         under the context's last token. The drafter first forgets what a rejection left."""
         start = time.perf_counter()
-        keep = min(len(context) - 1, _common_prefix(self.fed, context))
+        keep = common_prefix(self.fed, context, len(context) - 1)
         if keep < len(self.fed):
             self.drafter.rollback(self.seq.row, keep)
             self.fed = self.fed[:keep]
@@ -301,8 +303,7 @@ class Orchestrator:
             if r.status == "done" and not job.prefill:
                 self.m["compute_s"] += r.compute_s
                 self.m["compute_n"] += 1
-            if r.status == "preempted" or job.round != self.round:
-                self.m["wasted_forwards"] += 1
+            if r.status == "preempted" or job.round != self.round:  # wasted: see _finish
                 if job.cancelled:
                     self.m["preempt_wait_s"] += now - job.cancelled
                 continue
@@ -371,15 +372,6 @@ class Orchestrator:
         # The extra prefills (a request's first task on every server) are not waste.
         extra = max(0, min(self.m["prefills"], len(self.pool.alive)) - 1)
         self.m["wasted_forwards"] = max(0, self.m["target_forwards"] - len(self.used) - extra)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _path(tree: TokenTree, node: int) -> list[int]:

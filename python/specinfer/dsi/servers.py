@@ -81,7 +81,8 @@ class Result:
     why: str = ""  # a dead server's exit
 
 
-def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+def common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """How many leading tokens a and b share, at most `limit`."""
     n = 0
     for x, y in zip(a[:limit], b[:limit]):
         if x != y:
@@ -117,7 +118,7 @@ class _RealTarget:
     @torch.inference_mode()
     def run(self, task: Task) -> object:
         ctx = task.context
-        keep = _common_prefix(self.cached, ctx, len(ctx) - 1)  # the last token is fed: its row
+        keep = common_prefix(self.cached, ctx, len(ctx) - 1)  # the last token is fed: its row
         self.cached = self.cached[:keep]
         fed = len(ctx) - keep
         ids = ctx[keep:] + task.tokens
