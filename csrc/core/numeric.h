@@ -10,6 +10,16 @@
 #define SPECINFER_INLINE inline
 #endif
 
+// Unrolls a loop over a compile-time register-tile size before scalar replacement runs, so an
+// accumulator array lives in registers (rolled, GCC kept a stack copy stored every iteration).
+#if defined(__clang__)
+#define SPECINFER_UNROLL _Pragma("unroll")
+#elif defined(__GNUC__)
+#define SPECINFER_UNROLL _Pragma("GCC unroll 16")
+#else
+#define SPECINFER_UNROLL
+#endif
+
 namespace specinfer {
 
 // bfloat16 storage: the high half of an IEEE float32.
