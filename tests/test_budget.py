@@ -35,8 +35,8 @@ class SteepCosts(TreeBudget):
     def time_step(self, *timings):
         self.rest = 1.0
 
-    def choose(self, trees, params):
-        kept = super().choose(trees, params)
+    def choose(self, trees, params, draft_s=None):
+        kept = super().choose(trees, params, draft_s)
         self.cut += sum(len(t) - len(k) for t, k in zip(trees, kept))
         return kept
 
@@ -205,6 +205,30 @@ def test_drafting_that_costs_more_than_it_gains_stops_though_its_nodes_are_kept(
             if 0 in runs[-1]:
                 assert len(budget.choose([tree], GREEDY)[0]) > 1  # a node is kept
         assert [0 in run for run in runs] == [True] * 4 + [not stops]
+
+
+def test_a_drafter_carried_by_a_cheaper_ones_nodes_stops_on_its_own_cost():
+    """Drafter 0 (prompt lookup: nearly free) proposes 1 2 3, always accepted; drafter 1 (an SSM)
+    proposes 4, accepted 1 time in 3. The step pays and the cut keeps node 4 either way; drafter
+    1 keeps drafting only while what node 4 adds is worth its own drafting time."""
+
+    def draft():
+        tree = _chain([1, 2, 3], source=0)
+        tree.propose(0, 4, -1, 1)
+        return tree
+
+    for ssm_s, stops in ((3.0, True), (0.05, False)):
+        budget = SteepCosts(steepness=0.001)  # rows nearly free: the cut keeps every node
+        budget.time_step(1, 1, 0, 0)
+        for i in range(30):
+            budget.observe([draft()], [[0, 1, 2, 3] if i % 3 else [0, 4]])
+        runs = []
+        for _ in range(5):
+            runs.append(budget.drafts(2))
+            kept = budget.choose([draft()], GREEDY, draft_s=[0.001, ssm_s])[0]
+            assert 4 in kept and 3 in kept  # the cut keeps both drafters' nodes
+        assert all(0 in run for run in runs)
+        assert [1 in run for run in runs] == [True] * 4 + [not stops]
 
 
 class RowCosts(TreeBudget):

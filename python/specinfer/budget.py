@@ -25,9 +25,12 @@ again after 2, then 4, ... 64 skipped steps, and resumes for good once the cut k
 it (the text became predictable, the batch shrank). The cut prices a step with the drafting
 already done (it is spent whatever is kept); whether drafting pays at all is the step's
 expected tokens per second against plain decoding's, which drafts nothing: where plain decoding
-would have been faster, the step counts as one with every node cut for all its drafters. When
-all drafters stop, a step is plain decoding: no SSM forward at all. Lossless for the same
-reason as the cut.
+would have been faster, the step counts as one with every node cut for all its drafters. And
+each drafter must earn its own drafting time: the nodes only it proposed must be worth at least
+what its drafting time yields at the step's rate, else it counts as cut too (a cheap drafter's
+accepted nodes, prompt lookup's, must not carry an SSM that costs more than it adds). When all
+drafters stop, a step is plain decoding: no SSM forward at all. Lossless for the same reason
+as the cut.
 
 An SSM given no tree config drafts a tree whose depth is chosen here too, each step, from the
 same costs (`depth`): its tree's levels have known widths, so the expected tokens of its k best
@@ -69,6 +72,9 @@ class TreeBudget:
         self._idle: dict[int, int] = {}  # drafter -> its last drafted steps with no node kept
         self._skipped: dict[int, int] = {}  # drafter -> steps skipped since it last drafted
         self._explore: dict[int, int] = {}  # drafter -> skipped steps before it drafts again
+        # Drafters drafting again this step after skipping some: their drafting time includes
+        # catching up with what they skipped, so it does not say what their drafting costs.
+        self._resumed: set[int] = set()
 
     def rate(self, drafter: int, depth: int, rank: int = 0) -> float:
         """Conditional acceptance of a node `drafter` proposed at `depth` as its rank-th child of
@@ -97,10 +103,12 @@ class TreeBudget:
             value.append(value[tree.parents[n]] * best[n])
         return value
 
-    def choose(self, trees: list[TokenTree], params: list[SamplingParams]) -> list[list[int]]:
+    def choose(self, trees: list[TokenTree], params: list[SamplingParams],
+               draft_s: list[float] | None = None) -> list[list[int]]:  # fmt: skip
         """Per tree (params: its request's), the node ids to keep (root included, parents before
         children). Trees that must stay whole (sampled children, seeded sampling) do, and the
-        forward is at least as wide as the widest of them; the others share one width."""
+        forward is at least as wide as the widest of them; the others share one width.
+        draft_s: the seconds each drafter took to draft these trees (judges each one's worth)."""
         whole = [list(range(len(t))) for t in trees]
         fixed = [_must_stay_whole(t, p) for t, p in zip(trees, params)]
         if all(fixed):
@@ -108,9 +116,11 @@ class TreeBudget:
         floor = max((len(t) for t, f in zip(trees, fixed) if f), default=1)
         widest = max(len(t) for t in trees)
         orders: list[list[int] | None] = []
+        values: list[list[float]] = []
         gains = [float(len(trees))] * widest  # gains[w - 1]: expected tokens at width w
         for tree, f in zip(trees, fixed):
             value = self.values(tree)
+            values.append(value)
             if f:  # kept whole at every width
                 orders.append(None)
                 gains = [g + sum(value[1:]) for g in gains]
@@ -132,25 +142,41 @@ class TreeBudget:
         kept = [keep if order is None else sorted([0] + order[: best - 1])
                 for keep, order in zip(whole, orders)]  # fmt: skip
         plain = len(trees) / max(self.rest + self.estimate(len(trees), 1), 1e-9)
-        self._note_idle(trees, kept, orders, pays=best_score > plain)
+        self._note_idle(trees, kept, orders, values, best_score if best_score > plain else None,
+                        draft_s)  # fmt: skip
         return kept
 
     def _note_idle(self, trees: list[TokenTree], kept: list[list[int]],
-                   orders: list[list[int] | None], pays: bool) -> None:  # fmt: skip
-        """Per drafter that proposed nodes in the trees that may be cut: whether the cut kept
-        any of them, and the drafting paid for itself (`pays`)."""
-        proposed, used = set(), set()
-        for tree, keep, order in zip(trees, kept, orders):
+                   orders: list[list[int] | None], values: list[list[float]],
+                   score: float | None, draft_s: list[float] | None) -> None:  # fmt: skip
+        """Per drafter that proposed nodes in the trees that may be cut: whether it earned its
+        drafting. `score` is the chosen step's expected tokens per second, None where plain
+        decoding would have been faster (no drafter earned it). A drafter earns it when the cut
+        kept a node of it and, its drafting time known, the nodes only it proposed are worth at
+        least what that time yields at the step's rate: else the step would have been faster
+        without it (the cut keeps whatever was drafted, so a cheap drafter's good nodes can
+        carry an expensive one's, e.g. prompt lookup and an SSM at 4 requests)."""
+        proposed, kept_any, own_gain = set(), set(), {}
+        for tree, keep, order, value in zip(trees, kept, orders, values):
             if order is None:  # kept whole by rule: says nothing about the drafter's worth
                 continue
             keep = set(keep)
+            sources: dict[int, set[int]] = {}
             for child, source in zip(tree.prop_child, tree.prop_source):
                 proposed.add(source)
-                if child in keep and pays:
-                    used.add(source)
+                if child in keep:
+                    sources.setdefault(child, set()).add(source)
+            for child, by in sources.items():
+                kept_any |= by
+                if len(by) == 1:
+                    (only,) = by
+                    own_gain[only] = own_gain.get(only, 0.0) + value[child]
         for i in proposed:
-            self._idle[i] = 0 if i in used else self._idle.get(i, 0) + 1
-            if i in used:
+            used = score is not None and i in kept_any
+            if used and draft_s is not None and i < len(draft_s) and i not in self._resumed:
+                used = own_gain.get(i, 0.0) >= score * draft_s[i]
+            self._idle[i] = 0 if used else self._idle.get(i, 0) + 1
+            if used:
                 self._explore[i] = EXPLORE[0]
 
     def drafts(self, drafters: int, batch: int = 1) -> frozenset[int]:
@@ -159,6 +185,7 @@ class TreeBudget:
         try again has come, if trees as large as lately could pay at this batch size (trying
         costs a forward as wide as the tree for every request)."""
         run = set()
+        self._resumed = set()
         for i in range(drafters):
             if self._idle.get(i, 0) >= PATIENCE:
                 self._skipped[i] = self._skipped.get(i, 0) + 1
@@ -167,6 +194,7 @@ class TreeBudget:
                 ):
                     continue
                 self._explore[i] = min(2 * self._explore.get(i, EXPLORE[0]), EXPLORE[1])
+                self._resumed.add(i)
             self._skipped[i] = 0
             run.add(i)
         return frozenset(run)

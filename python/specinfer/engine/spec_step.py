@@ -40,7 +40,7 @@ def speculative_step(seqs: list[Sequence], kv, runner: ModelRunner, drafter, bud
     if max_nodes is not None and any(len(t) > max_nodes for t in trees):
         trees = drafter.keep([list(range(min(len(t), max_nodes))) for t in trees])
     if budget and run:
-        trees = drafter.keep(budget.choose(trees, [s.params for s in seqs]))
+        trees = drafter.keep(budget.choose(trees, [s.params for s in seqs], drafter.last_times))
     t1 = time.perf_counter()
     prefix = [len(seq) - 1 for seq in tokens]
     # Nothing drafted or kept: a plain decode step (the same forward as a root-only tree, no
