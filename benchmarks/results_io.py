@@ -8,7 +8,14 @@ from pathlib import Path
 
 
 def save(result: dict, out: str | Path, draw: Callable) -> None:
-    """Write `result` to `out` (JSON) and `draw(result, plt)` into the same name with .png."""
+    """Write `result` to `out` (JSON) and `draw(result, plt)` into the same name with .png. The
+    JSON says which CPU kernel family ran (`cpu_isa`): timings differ widely between them."""
+    try:
+        from specinfer import _C
+
+        result.setdefault("cpu_isa", _C.cpu_isa())
+    except ImportError:  # no compiled core: the pure-torch references ran
+        result.setdefault("cpu_isa", None)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -11,6 +11,7 @@
 #include "core/dlpack.h"
 #include "core/tensor_view.h"
 #include "core/topk_expand_args.h"
+#include "cpu/cpu_features.h"
 #include "ops.h"
 
 namespace py = pybind11;
@@ -316,6 +317,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("is_recording", &OpGraph::recording, "Whether an OpGraph is recording.");
   m.def("backends", &backends, "Backends compiled in, e.g. ['cpu', 'cuda'].");
   m.def("cuda_device_count", &device_count, "Visible CUDA devices; 0 without CUDA or a driver.");
+  m.def(
+      "cpu_isa", [] { return std::string(specinfer::cpu::active_isa()); },
+      "The CPU kernel family in use: avx512_bf16, avx512, avx2 or portable (SPECINFER_CPU_ISA "
+      "caps it).");
   m.def("kv_commit", &kv_commit, py::arg("caches"), py::arg("cache_rows"), py::arg("prefix_lens"),
         py::arg("accepted"), py::arg("stream") = 0,
         "Moves each request's accepted tree nodes' K/V to consecutive slots in every cache "

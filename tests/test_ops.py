@@ -524,3 +524,35 @@ def test_ops_linear_dispatch(monkeypatch):
     calls.clear()
     ops.linear(torch.randn(1, 40), w)
     assert not calls
+
+
+ISA_RANK = {"portable": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 2}
+
+
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
+def test_every_cpu_kernel_family_passes_the_op_tests(isa):
+    """The CPU ops pick their kernels by what the CPU has, so a machine runs one family only;
+    SPECINFER_CPU_ISA caps it, and the op tests run again under each family below the native one
+    (each must match the references and compute a row the same whatever rows share a call)."""
+    native = _C.cpu_isa()
+    if ISA_RANK[native] <= ISA_RANK[isa]:
+        pytest.skip(f"this CPU's best kernels are {native}: covered by the tests themselves")
+    env = {**os.environ, "SPECINFER_CPU_ISA": isa}
+    probe = [sys.executable, "-c", "from specinfer import _C; print(_C.cpu_isa())"]
+    assert subprocess.run(probe, env=env, capture_output=True, text=True, timeout=120,
+                          check=True).stdout.strip() == isa  # fmt: skip
+    tests = [str(Path(__file__).parent / name)
+             for name in ("test_ops.py", "test_fused_ops.py", "test_spec_ops.py")]  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests,
+         "-k", "not every_cpu_kernel_family"],  # fmt: skip
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+
+
+def test_an_unknown_cpu_isa_is_a_clear_error():
+    env = {**os.environ, "SPECINFER_CPU_ISA": "avx1024"}
+    run = subprocess.run([sys.executable, "-c", "import specinfer.ops"], env=env,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode != 0 and "SPECINFER_CPU_ISA='avx1024'" in run.stderr

@@ -1,6 +1,9 @@
 // Run-time CPU feature detection for kernels compiled with per-function target attributes.
 #pragma once
 
+#include <cstdlib>
+#include <cstring>
+
 // Target attributes only mean something on x86; elsewhere the portable code is all there is.
 #if defined(__x86_64__) && defined(__GNUC__)
 #define SPECINFER_TARGET(isa) __attribute__((target(isa)))
@@ -13,9 +16,23 @@
 
 namespace specinfer::cpu {
 
+// SPECINFER_CPU_ISA caps the kernels chosen below what the CPU has, so that every kernel family
+// can be tested and measured on one machine: "avx2" (no AVX-512), "portable" (no intrinsics);
+// unset or "native", the best the CPU has. Read once; specinfer.ops rejects other values.
+inline int isa_cap() {
+  static const int cap = [] {
+    const char* value = std::getenv("SPECINFER_CPU_ISA");
+    if (value != nullptr && std::strcmp(value, "portable") == 0) return 0;
+    if (value != nullptr && std::strcmp(value, "avx2") == 0) return 1;
+    return 2;
+  }();
+  return cap;
+}
+
 inline bool has_avx512() {
 #if defined(__x86_64__) && defined(__GNUC__)
-  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+  static const bool yes = isa_cap() >= 2 && __builtin_cpu_supports("avx512f") &&
+                          __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   return yes;
 #else
@@ -34,11 +51,20 @@ inline bool has_avx512_bf16() {
 
 inline bool has_avx2_fma() {
 #if defined(__x86_64__) && defined(__GNUC__)
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool yes =
+      isa_cap() >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return yes;
 #else
   return false;
 #endif
+}
+
+// The kernel family the CPU ops run: "avx512_bf16", "avx512", "avx2" or "portable".
+inline const char* active_isa() {
+  if (has_avx512_bf16()) return "avx512_bf16";
+  if (has_avx512()) return "avx512";
+  if (has_avx2_fma()) return "avx2";
+  return "portable";
 }
 
 }  // namespace specinfer::cpu

@@ -15,6 +15,15 @@ try:
 except ImportError:  # pragma: no cover - only when the extension was not built
     _C = None
 
+# SPECINFER_CPU_ISA=avx2 or =portable runs the CPU kernels of that family even where the CPU has
+# better ones (to test or measure them); "native" or unset, the best the CPU has. `_C.cpu_isa()`
+# says which family runs.
+CPU_ISAS = ("native", "avx2", "portable")
+if os.environ.get("SPECINFER_CPU_ISA", "native") not in CPU_ISAS:
+    raise ValueError(
+        f"SPECINFER_CPU_ISA={os.environ['SPECINFER_CPU_ISA']!r}: expected one of {CPU_ISAS}"
+    )
+
 
 class RecordingRefused(RuntimeError):
     """A torch op was about to run while an OpGraph records (it would not be replayed)."""
