@@ -61,7 +61,9 @@ def test_dsi_greedy_equals_incremental(tiny_pair, reference, servers, lookahead)
         assert engine.dsi.lookahead == lookahead
     assert _ids(outs) == reference
     m = [o.metrics["dsi"] for o in outs]
-    assert sum(x["accepted"] for x in m) > 0, "no draft was accepted: verification untested"
+    # Whether a draft is verified here depends on timing: the tiny target can answer before the
+    # drafter (a thread beside the orchestrator) has drafted, and DSI never waits for it. The
+    # emulated servers' test below gives the drafter a head start and checks acceptance.
     assert sum(x["rounds"] for x in m) > len(PROMPTS), "no draft was rejected"
     assert all(
         x["blocks_verified"] >= 1 and x["target_forwards"] >= x["blocks_verified"] for x in m
@@ -127,6 +129,7 @@ def test_emulated_servers_replay_the_trace_at_their_latency(tiny_pair, reference
         pool = TargetPool(server_spec(engine, latency_s=0.01), servers)
         try:
             mode = DSIMode(engine, pool, lookahead=2, draft_s=0.002)
+            accepted = 0
             for prompt, expected in zip(PROMPTS, reference):
                 pool.set_trace(list(prompt) + expected)
                 seq = engine.make_sequence(prompt, GREEDY)
@@ -137,6 +140,9 @@ def test_emulated_servers_replay_the_trace_at_their_latency(tiny_pair, reference
                 m = seq.metrics["dsi"]
                 # Each verified block waited on a 10 ms forward: no faster than its blocks allow.
                 assert time.perf_counter() - start >= 0.01 * m["blocks_verified"] / servers
+                accepted += m["accepted"]
+            # The drafter (2 ms a level) is ahead of every 10 ms answer: drafts are verified.
+            assert accepted > 0, "no draft was accepted: verification untested"
         finally:
             pool.close()
     assert _no_servers_left()

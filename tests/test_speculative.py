@@ -356,7 +356,7 @@ class Rotating(TreeBudget):
         self.calls += 1
         return sets[self.calls % len(sets)]
 
-    def choose(self, trees, params):
+    def choose(self, trees, params, draft_s=None):
         return [list(range(len(t))) for t in trees]
 
 
