@@ -207,6 +207,12 @@ def test_drafting_that_costs_more_than_it_gains_stops_though_its_nodes_are_kept(
         assert [0 in run for run in runs] == [True] * 4 + [not stops]
 
 
+def test_stopped_drafters_are_those_idle_for_patience_steps():
+    budget = TreeBudget()
+    budget._idle = {0: PATIENCE, 1: PATIENCE - 1, 2: 0}
+    assert budget.stopped() == {0}
+
+
 def test_a_drafter_carried_by_a_cheaper_ones_nodes_stops_on_its_own_cost():
     """Drafter 0 (prompt lookup: nearly free) proposes 1 2 3, always accepted; drafter 1 (an SSM)
     proposes 4, accepted 1 time in 3. The step pays and the cut keeps node 4 either way; drafter

@@ -345,16 +345,22 @@ def test_max_tree_nodes_caps_every_verified_tree_and_stays_exact(tiny_pair, adap
 
 class Rotating(TreeBudget):
     """Drafts with every set of drafters in turn (all, ..., none) and keeps whole trees: each
-    SSM skips steps and catches up."""
+    SSM skips steps, and the prompts of requests that join meanwhile, and catches up."""
 
     calls = 0
+    last: frozenset = frozenset()
+    drafters = 0
 
     def drafts(self, drafters, batch=1):
         sets = [
             frozenset(c) for k in range(drafters, -1, -1) for c in combinations(range(drafters), k)
         ]
         self.calls += 1
-        return sets[self.calls % len(sets)]
+        self.drafters, self.last = drafters, sets[self.calls % len(sets)]
+        return self.last
+
+    def stopped(self):  # those skipped last step: they do not feed prompts cached meanwhile
+        return set(range(self.drafters)) - self.last
 
     def choose(self, trees, params, draft_s=None):
         return [list(range(len(t))) for t in trees]

@@ -186,18 +186,26 @@ class TreeBudget:
         costs a forward as wide as the tree for every request)."""
         run = set()
         self._resumed = set()
+        could_pay = None  # asked once a step at most: it prices every width
         for i in range(drafters):
             if self._idle.get(i, 0) >= PATIENCE:
                 self._skipped[i] = self._skipped.get(i, 0) + 1
-                if self._skipped[i] < self._explore.get(i, EXPLORE[0]) or not self._could_pay(
-                    batch
-                ):
+                if self._skipped[i] < self._explore.get(i, EXPLORE[0]):
+                    continue
+                if could_pay is None:
+                    could_pay = self._could_pay(batch)
+                if not could_pay:
                     continue
                 self._explore[i] = min(2 * self._explore.get(i, EXPLORE[0]), EXPLORE[1])
                 self._resumed.add(i)
             self._skipped[i] = 0
             run.add(i)
         return frozenset(run)
+
+    def stopped(self) -> set[int]:
+        """The drafters that have stopped drafting (see `drafts`): an SSM among them need not
+        feed new prompts (it catches up when it drafts again)."""
+        return {i for i, idle in self._idle.items() if idle >= PATIENCE}
 
     def _learn_curve(self, top: list[float]) -> None:
         top = top[1:] or [0.0]

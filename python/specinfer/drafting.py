@@ -48,10 +48,12 @@ class Drafter:
         for s in self.ssms:
             s.admit(row)
 
-    def prefill(self, batch: list, tokens: list[list[int]]) -> None:
-        """Each SSM catches up with the requests whose prompts the target has just cached."""
-        for s in self.ssms:
-            s.prefill(batch, tokens)
+    def prefill(self, batch: list, tokens: list[list[int]], skip=frozenset()) -> None:
+        """Each SSM catches up with the requests whose prompts the target has just cached, but
+        those in `skip` (indices; they feed what they lack at their next draft)."""
+        for i, s in enumerate(self.ssms):
+            if i not in skip:
+                s.prefill(batch, tokens)
 
     def rollback(self, row: int, length: int) -> None:
         """Every SSM forgets what request `row` holds past its first `length` tokens."""

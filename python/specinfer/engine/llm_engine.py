@@ -282,7 +282,8 @@ class Engine:
             self.runner.charge_streaming([s for s, _ in plan.prefill], streamed)
             cached = [s for (s, _), lg in zip(plan.prefill, logits) if lg is not None]
             if self.drafter and cached:
-                self.drafter.prefill(cached, [s.prefill_ids for s in cached])
+                skip = self.budget.stopped() if self.budget else frozenset()
+                self.drafter.prefill(cached, [s.prefill_ids for s in cached], skip)
             for (s, _), lg in zip(plan.prefill, logits):
                 s.metrics["prefill_s"] += time.perf_counter() - t0
                 if lg is not None and not s.output_ids:  # the prompt is cached: its first token
