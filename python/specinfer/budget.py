@@ -173,7 +173,7 @@ class TreeBudget:
                     own_gain[only] = own_gain.get(only, 0.0) + value[child]
         for i in proposed:
             used = score is not None and i in kept_any
-            if used and draft_s is not None and i < len(draft_s) and i not in self._resumed:
+            if used and draft_s is not None and i not in self._resumed:
                 used = own_gain.get(i, 0.0) >= score * draft_s[i]
             self._idle[i] = 0 if used else self._idle.get(i, 0) + 1
             if used:
