@@ -40,6 +40,17 @@ class Drafter:
         """The largest merged tree (the roots coincide)."""
         return 1 + sum(s.num_nodes - 1 for s in self.ssms)
 
+    @property
+    def reads_features(self) -> bool:
+        """Whether an SSM drafts from the target's hidden states (a feature head)."""
+        return any(getattr(s, "reads_features", False) for s in self.ssms)
+
+    def write_features(self, batch: list, prefix: list[int], hidden, lengths: list[int]) -> None:
+        """The target's hidden states of tokens it keeps (see ModelRunner.feature_sink)."""
+        for s in self.ssms:
+            if getattr(s, "reads_features", False):
+                s.write_features(batch, prefix, hidden, lengths)
+
     def reset(self, rows: int, max_seq_len: int) -> None:
         for s in self.ssms:
             s.reset(rows, max_seq_len)

@@ -79,8 +79,20 @@ class GraphRunner:
         key = self._key(input_ids, positions, kv, cache_rows, prefix_lens, tree_mask)
         if key is None:
             return self.model(input_ids, positions, kv, cache_rows, prefix_lens, tree_mask)
-        slots = prefix_lens[:, None] + torch.arange(input_ids.shape[1])
-        inputs = [self.model.embed(input_ids), positions, cache_rows, prefix_lens, slots, tree_mask]
+        return self._run(key, self.model.embed(input_ids), positions, kv, cache_rows, prefix_lens,
+                         tree_mask)  # fmt: skip
+
+    def embedded(self, h, positions, kv, cache_rows, prefix_lens, tree_mask) -> torch.Tensor:
+        """The same from the first layer's input h [B, T, H] (a feature head's fused input)."""
+        key = self._key(h[..., 0], positions, kv, cache_rows, prefix_lens, tree_mask)
+        if key is None:
+            slots = prefix_lens[:, None] + torch.arange(h.shape[1], device=h.device)
+            return self.model.decode(h, positions, kv, cache_rows, prefix_lens, slots, tree_mask)
+        return self._run(key, h, positions, kv, cache_rows, prefix_lens, tree_mask)
+
+    def _run(self, key, h, positions, kv, cache_rows, prefix_lens, tree_mask) -> torch.Tensor:
+        slots = prefix_lens[:, None] + torch.arange(h.shape[1])
+        inputs = [h, positions, cache_rows, prefix_lens, slots, tree_mask]
         graph = self._graphs.get(key)
         if graph is not None:
             self._graphs.move_to_end(key)

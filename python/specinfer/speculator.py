@@ -136,6 +136,7 @@ class Speculator:
         # Level 0: feed what the SSM has not seen yet (the root, and tokens accepted last step).
         pending = [seq[self.cached[row] :] for row, seq in zip(row_ids, tokens)]
         last = self._last_hidden(rows, pending, [self.cached[row] for row in row_ids])
+        self._root_outputs(rows, last)
         logits = list(self._logits(last).split(1))
         for row, seq in zip(row_ids, tokens):
             self.cached[row] = len(seq)
@@ -275,7 +276,7 @@ class Speculator:
         mask = (steps[None, :] <= steps[:, None]) & valid[:, None, :] & valid[:, :, None]
         prefix_t = torch.tensor(prefix, device=dev)
         positions = prefix_t[:, None] + steps
-        return self.run_model(ids, positions, self.kv, rows, prefix_t, mask)
+        return self._run_chains(ids, positions, rows, prefix_t, mask)
 
     def _forward_level(self, rows, trees: list[TokenTree], ancestors: torch.Tensor,
                        levels: list[range], roots: torch.Tensor, depth: int) -> torch.Tensor:  # fmt: skip
@@ -292,20 +293,36 @@ class Speculator:
         mask = ancestors[b, node[:, :, None], column[:, None, :]]
         ids = _pad([[tree.tokens[n] for n in lv] for tree, lv in zip(trees, levels)], 0, dev)
         prefix = roots + firsts.to(dev)
-        return self.run_model(ids, roots[:, None].expand(-1, T) + depth, self.kv, rows, prefix,
-                          mask.to(dev))  # fmt: skip
+        return self._run_level(ids, roots[:, None].expand(-1, T) + depth, rows, prefix,
+                               mask.to(dev), trees, levels)  # fmt: skip
+
+    # The model calls, which a feature head (FeatureSpeculator) extends with its feature inputs.
+
+    def _run_chains(self, ids, positions, rows, prefix, mask) -> torch.Tensor:
+        """Hidden states [B, T, H] of token chains at slots prefix + t (level 0, prefill)."""
+        return self.run_model(ids, positions, self.kv, rows, prefix, mask)
+
+    def _run_level(self, ids, positions, rows, prefix, mask, trees, levels) -> torch.Tensor:
+        """Hidden states [B, T, H] of one tree level: levels[b] (node ids) of trees[b]."""
+        return self.run_model(ids, positions, self.kv, rows, prefix, mask)
+
+    def _root_outputs(self, rows, hidden: torch.Tensor) -> None:
+        """Level 0's hidden state after each root [B, H] (a feature head feeds it on)."""
 
 
 def load_speculator(
     spec, target: nn.Module, target_path: Path, tree: TreeConfig, dtype, device
 ) -> Speculator:
-    """`spec`: an int L / "layers:L" (the target's first L layers), or a model path."""
+    """`spec`: an int L / "layers:L" (the target's first L layers), or a model path (an SSM, or
+    a feature head: `specinfer train-ssm --kind feature`; "feature:PATH" says so explicitly)."""
     if isinstance(spec, int) or (isinstance(spec, str) and spec.startswith("layers:")):
         n = spec if isinstance(spec, int) else parse_layers(spec)
         return Speculator(layer_selected(target, n), tree, name=f"layers:{n}")
+    from specinfer.feature_speculator import FeatureSpeculator
     from specinfer.loader import load_model
 
-    path = Path(spec)
+    feature = isinstance(spec, str) and spec.startswith("feature:")
+    path = Path(spec.removeprefix("feature:") if feature else spec)
     if not path.exists():
         raise FileNotFoundError(
             f"SSM not found: {path} (a model path, or layers:L for a layer-selected SSM)"
@@ -317,6 +334,11 @@ def load_speculator(
             f"SSM {path.name} has vocabulary size {model.config.vocab_size}, the target "
             f"{target_path.name} has {target.config.vocab_size}: they must share a tokenizer"
         )
+    if model.config.architecture == "feature":
+        return FeatureSpeculator(model, tree, name=f"feature:{path.name}")
+    if feature:
+        raise ValueError(f"{path} is not a feature head (its config.json says "
+                         f"{model.config.architecture!r}); train one with train-ssm --kind feature")  # fmt: skip
     return Speculator(model, tree, name=path.name)
 
 

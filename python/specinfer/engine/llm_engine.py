@@ -171,6 +171,11 @@ class Engine:
             self.drafter = build_drafter(ssm, tree, target, path, self.dtype, self.device,
                                          ssm_head, chains=self.mode == "sequence",
                                          sized=adaptive_tree and self.mode != "dsi")  # fmt: skip
+            if self.drafter.reads_features:
+                if self.mode == "dsi" or (self.runner.par is not None and self.runner.par.pp > 1):
+                    raise ValueError("a feature head drafts from the target's hidden states of "
+                                     "every step: not with mode 'dsi' or pipeline_parallel")  # fmt: skip
+                self.runner.feature_sink = self.drafter.write_features
             # DSI verifies every drafted level (its servers' rows come at no cost to the step).
             self.budget = TreeBudget() if adaptive_tree and self.mode != "dsi" else None
         self.max_tree_nodes = _max_tree_nodes(max_tree_nodes, self.drafter)

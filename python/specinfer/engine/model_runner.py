@@ -37,6 +37,10 @@ class ModelRunner:
         self.ssm_views, self.ssm_caches = {}, {}  # layer-selected SSMs (see ssm_cache)
         self.streamer = getattr(model, "layer_streamer", None)  # offloaded layers (offload.py)
         self.forwards = 0  # target forwards run (rank 0)
+        # A feature-level draft head's input: called (sequences, first slots, hidden states
+        # [B, T, H], lengths) with the final hidden states of the tokens each forward keeps.
+        self.feature_sink = None
+        self.hidden = None  # the last forward's hidden states, while a feature sink is set
 
     # --- primitives: what every rank runs ---
 
@@ -58,6 +62,8 @@ class ModelRunner:
         dev = self.device
         hidden = self.graphs(tokens.to(dev), positions.to(dev), self.cache, table.to(dev),
                              prefix.to(dev), mask.to(dev))  # fmt: skip
+        if self.feature_sink is not None:
+            self.hidden = hidden
         if last is not None:
             hidden = hidden[torch.arange(len(last), device=dev), last.to(dev)]
         return self.model.compute_logits(hidden)
@@ -207,8 +213,11 @@ class ModelRunner:
         )
         prefix_t = torch.tensor(prefix)
         self.forwards += 1
-        return self._call("forward", _pad(chains, 0), prefix_t[:, None] + steps, kv.table(seqs),
-                          prefix_t, mask, lengths - 1)  # fmt: skip
+        logits = self._call("forward", _pad(chains, 0), prefix_t[:, None] + steps, kv.table(seqs),
+                            prefix_t, mask, lengths - 1)  # fmt: skip
+        if self.feature_sink is not None:
+            self.feature_sink(seqs, prefix, self.hidden, lengths.tolist())
+        return logits
 
     def decode(self, kv, seqs: list[Sequence]) -> torch.Tensor:
         """One token per sequence (its newest); logits [B, V]."""
@@ -232,8 +241,13 @@ class ModelRunner:
 
     def commit_paths(self, kv, seqs: list[Sequence], prefix: list[int],
                      paths: list[list[int]]) -> None:  # fmt: skip
-        """Keep each sequence's accepted tree path (node ids) in its cache after `prefix`."""
+        """Keep each sequence's accepted tree path (node ids) in its cache after `prefix`, and
+        hand the path's hidden states (of the last tree forward) to the feature sink."""
         self._call("commit", kv.table(seqs), torch.tensor(prefix), _pad(paths, -1))
+        if self.feature_sink is not None:
+            at = torch.arange(len(paths), device=self.hidden.device)[:, None]
+            hidden = self.hidden[at, _pad(paths, 0).to(self.hidden.device)]
+            self.feature_sink(seqs, prefix, hidden, [len(p) for p in paths])
 
     def streamed(self) -> tuple[int, float, float]:
         """The offloaded layers' (bytes streamed, reading seconds, waiting seconds) so far."""

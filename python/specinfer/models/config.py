@@ -10,6 +10,7 @@ HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "OPTForCausalLM": "opt",
+    "SpecinferFeatureHead": "feature",  # ours: models/feature_head.py
 }
 HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "opt": "opt"}
 # "freq_factors": llama.cpp's per-frequency divisors (a GGUF `rope_freqs` tensor, Llama 3.1+).
@@ -89,7 +90,7 @@ class ModelConfig:
             )
         theta, scaling = _hf_rope(d)
         return cls(
-            architecture="llama",
+            architecture=arch,  # "llama", or "feature" (a Llama-style feature head)
             num_kv_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
             head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
             intermediate_size=d["intermediate_size"],

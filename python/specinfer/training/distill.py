@@ -60,8 +60,11 @@ def distill(
     settings: TrainSettings,
     checkpoint: str | Path,
     desc: str = "distilling",
+    loss_fn=None,
 ) -> list[float]:
-    """Train `student` in place; returns the loss of every step (resumed steps included)."""
+    """Train `student` in place; returns the loss of every step (resumed steps included).
+    `loss_fn(student, batch, settings.loss, vocab_subset) -> (loss, top-1 agreement)`: default
+    the SSM distillation loss below."""
     checkpoint = Path(checkpoint)
     if not examples:
         raise ValueError("no training examples")
@@ -119,7 +122,7 @@ def distill(
             if epoch not in order:
                 order = {epoch: _batches(examples, settings, epoch)}
             batch = [examples[i] for i in order[epoch][index]]
-            loss, agree = _loss(student, batch, settings.loss, vocab_subset)
+            loss, agree = (loss_fn or _loss)(student, batch, settings.loss, vocab_subset)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trainable.values(), 1.0)

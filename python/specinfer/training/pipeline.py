@@ -42,15 +42,20 @@ def train_ssm(
     boost_stages: int = 1,
     match: str = "identical",
     independent_mode: str | None = None,
+    kind: str = "layers",
 ) -> dict:
     """Returns the report (also written to <out>/report.json). `chat`: wrap text prompts in the
-    target's chat template (default: when it has one, as `specinfer generate` does)."""
+    target's chat template (default: when it has one, as `specinfer generate` does). `kind`:
+    "layers" (a student of selected target layers) or "feature" (a feature-level draft head,
+    see training/feature.py; `layers`, `mlp_keep`, boosting and `compact` do not apply)."""
     from specinfer.default_model import default_model_path
     from specinfer.engine import Engine
     from specinfer.loader import load_model
 
     settings = settings or TrainSettings()
     match_rule(match)  # bad input fails before any work
+    if kind not in ("layers", "feature"):
+        raise ValueError(f"kind must be 'layers' or 'feature', got {kind!r}")
     if boost_stages < 1:
         raise ValueError(f"boost stages must be at least 1, got {boost_stages}")
     if top_k_logits < 1 or max_new_tokens < 1:
@@ -66,7 +71,8 @@ def train_ssm(
     if chat is None:
         chat = bool(engine.tokenizer.chat_template)
     teacher = TeacherSettings(str(path), str(engine.dtype).removeprefix("torch."), max_new_tokens,
-                              temperature, top_k_logits, chat)  # fmt: skip
+                              temperature, top_k_logits, chat,
+                              features=kind == "feature")  # fmt: skip
     # Soft targets and the student's starting weights come from float32.
     target = engine.model if engine.dtype == torch.float32 else load_model(path, torch.float32)
     examples = make_teacher_data(
@@ -79,6 +85,10 @@ def train_ssm(
     tokenizer = engine.tokenizer
     del engine
     gc.collect()
+    if kind == "feature":
+        from specinfer.training.feature import train_feature_head
+
+        return train_feature_head(target, tokenizer, examples, held, settings, out, str(path))
 
     recipe = SSMRecipe(target, tokenizer, chosen, settings, head_tokens(examples), mlp_keep,
                        compact)  # fmt: skip

@@ -15,12 +15,22 @@ from tqdm import tqdm
 Sequence = tuple[list[int], list[int]]  # (prompt ids, completion ids)
 
 
-@torch.inference_mode()
 def completion_logits(
     model: nn.Module, seqs: list[Sequence], batch_size: int = 8, desc: str | None = None
 ) -> Iterator[torch.Tensor]:
     """Yields, per sequence, float32 logits [len(completion), vocab]: row j predicts
     completion[j] from the prompt and completion[:j]. `desc`: show a progress bar with it."""
+    for logits, _ in completion_outputs(model, seqs, batch_size, desc):
+        yield logits
+
+
+@torch.inference_mode()
+def completion_outputs(
+    model: nn.Module, seqs: list[Sequence], batch_size: int = 8, desc: str | None = None
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Per sequence, the completion logits (as completion_logits) and the model's final hidden
+    states [len(prompt) + len(completion) - 1, H] at every input position (the features a
+    feature-level draft head reads)."""
     with tqdm(total=len(seqs), desc=desc, unit="prompt", disable=desc is None, leave=False) as bar:
         for start in range(0, len(seqs), batch_size):
             batch = seqs[start : start + batch_size]
@@ -35,5 +45,6 @@ def completion_logits(
             hidden = model(ids, torch.arange(T).expand(B, T), kv, torch.arange(B),
                            torch.zeros(B, dtype=torch.long), mask)  # fmt: skip
             for b, (p, c) in enumerate(batch):
-                yield model.compute_logits(hidden[b, len(p) - 1 : len(p) - 1 + len(c)]).float()
+                logits = model.compute_logits(hidden[b, len(p) - 1 : len(p) - 1 + len(c)]).float()
+                yield logits, hidden[b, : len(p) + len(c) - 1]
             bar.update(B)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specinfer.training.scoring import completion_logits
+from specinfer.training.scoring import completion_outputs
 
 
 @dataclass
@@ -29,6 +29,7 @@ class TeacherSettings:
     chat: bool = True
     seed: int = 0
     shard_size: int = 32
+    features: bool = False  # also keep the target's hidden states (for a feature-level head)
 
 
 def make_teacher_data(
@@ -36,7 +37,8 @@ def make_teacher_data(
     desc: str = "teacher data",
 ) -> list[dict]:  # fmt: skip
     """Examples {"prompt", "completion" (token id lists), "topk_ids" int32 [n, K],
-    "topk_logits" float16 [n, K]} for every prompt (token ids), in order. The engine writes the
+    "topk_logits" float16 [n, K]}, with settings.features also "features" float16 [len(prompt) +
+    n - 1, H] (the scorer's final hidden state at every input position), for every prompt (token ids), in order. The engine writes the
     completions (in the dtype it will serve in); `scorer`, the same model in float32, gives the
     logits (a teacher-forced forward, where torch's float32 matmul is fast on the CPU)."""
     from specinfer.sampling import SamplingParams
@@ -72,8 +74,8 @@ def make_teacher_data(
             outs = engine.generate(chunk, params)
             seqs = [(p, o.token_ids) for p, o in zip(chunk, outs)]
             shard = [
-                _example(p, c, logits, settings.top_k_logits)
-                for (p, c), logits in zip(seqs, completion_logits(scorer, seqs))
+                _example(p, c, logits, settings.top_k_logits, hidden if settings.features else None)
+                for (p, c), (logits, hidden) in zip(seqs, completion_outputs(scorer, seqs))
             ]
             tmp = file.with_suffix(".tmp")
             torch.save(shard, tmp)
@@ -85,14 +87,18 @@ def make_teacher_data(
     return examples
 
 
-def _example(prompt: list[int], completion: list[int], logits: torch.Tensor, k: int) -> dict:
+def _example(prompt: list[int], completion: list[int], logits: torch.Tensor, k: int,
+             hidden: torch.Tensor | None) -> dict:  # fmt: skip
     top = logits.topk(min(k, logits.shape[-1]), dim=-1)
-    return {
+    example = {
         "prompt": prompt,
         "completion": completion,
         "topk_ids": top.indices.to(torch.int32),
         "topk_logits": top.values.to(torch.float16),
     }
+    if hidden is not None:
+        example["features"] = hidden.to(torch.float16).clone()  # not a view of the batch
+    return example
 
 
 def _digest(prompts: list[list[int]]) -> str:

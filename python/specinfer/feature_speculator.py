@@ -1,0 +1,78 @@
+"""A feature head (models/feature_head.py) as a drafter: the Speculator, fed the target's features.
+
+Each token the head reads comes with the feature before it: the target's final hidden state at
+the slot before (true features, which the target's forwards hand over through `write_features`:
+prompt chunks, decode steps, and the accepted path of each verified tree), or inside a draft
+the head's own output at the node's parent (its guess of that feature).
+
+So the head's KV cache keeps only entries made from true features: after verification it keeps
+the root's (its input was the target's feature) and drops the tree's, and its next draft feeds
+the accepted tokens again, now with the target's features for them (as EAGLE does).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specinfer.speculator import Speculator
+
+
+class FeatureSpeculator(Speculator):
+    reads_features = True  # the engine hands it the target's hidden states
+
+    def __init__(self, model, tree, name: str = "feature"):
+        super().__init__(model, tree, name)
+        self.features = None  # [rows, slots, H]: the target's hidden state at each slot
+        self.drafted = None  # [rows, nodes, H]: the head's output at each node of its last draft
+
+    def reset(self, rows: int, max_seq_len: int) -> None:
+        kv = self.kv
+        super().reset(rows, max_seq_len)
+        if self.kv is not kv or self.features is None:
+            rows, H = self.kv.rows, self.model.config.hidden_size
+            like = {"dtype": self.model.fc.weight.dtype, "device": self.kv.k[0].device}
+            self.features = torch.zeros(rows, self.kv.max_seq_len, H, **like)
+            self.drafted = torch.zeros(rows, 2 * self.tree.num_nodes, H, **like)
+
+    def release(self) -> None:
+        super().release()
+        self.features = self.drafted = None
+
+    def write_features(self, batch: list, prefix: list[int], hidden: torch.Tensor,
+                       lengths: list[int]) -> None:  # fmt: skip
+        """The target's hidden states hidden[b, :lengths[b]] belong to slots prefix[b] + t of
+        request batch[b] (tokens it has cached, or a verified path it keeps)."""
+        end = self.features.shape[1]
+        for b, (r, start, n) in enumerate(zip(batch, prefix, lengths)):
+            n = min(n, end - start)
+            if n > 0:
+                self.features[r.row, start : start + n] = hidden[b, :n]
+
+    def commit(self, batch, prefix, paths, trees, max_depths) -> None:
+        """Nothing of the tree is kept: its entries came from the head's guessed features. The
+        draft left each drafted request's cache at its root, whose input was true."""
+
+    def _run_chains(self, ids, positions, rows, prefix, mask) -> torch.Tensor:
+        before = prefix[:, None] + torch.arange(ids.shape[1], device=ids.device) - 1
+        feats = self.features[rows[:, None], before.clamp(min=0)]
+        feats[before < 0] = 0  # slot 0 has no feature before it
+        return self._run(ids, feats, positions, rows, prefix, mask)
+
+    def _run_level(self, ids, positions, rows, prefix, mask, trees, levels) -> torch.Tensor:
+        dev, T = ids.device, ids.shape[1]
+        # Node ids continue past a short level's end (padding, as in _forward_level).
+        nodes = [range(lv.start, lv.start + T) for lv in levels]
+        parents = [[tree.parents[n] if n < lv.stop else 0 for n in ns]
+                   for tree, lv, ns in zip(trees, levels, nodes)]  # fmt: skip
+        at = rows[:, None]
+        feats = self.drafted[at, torch.tensor(parents, device=dev)]
+        hidden = self._run(ids, feats, positions, rows, prefix, mask)
+        self.drafted[at, torch.tensor([list(ns) for ns in nodes], device=dev)] = hidden
+        return hidden
+
+    def _root_outputs(self, rows, hidden: torch.Tensor) -> None:
+        self.drafted[rows, 0] = hidden
+
+    def _run(self, ids, feats, positions, rows, prefix, mask) -> torch.Tensor:
+        h = self.model.fuse(ids, feats)
+        return self.run_model.embedded(h, positions, self.kv, rows, prefix, mask)

@@ -1,0 +1,30 @@
+"""A feature-level draft head (EAGLE-style): predicts the target's next hidden state.
+
+The target's final hidden state f at slot s-1 (what its LM head reads to predict token s) and the
+embedding of token s go through `fc` (2H -> H) and a few Llama decoder layers with their own KV
+cache; the output, after the head's own final norm, is a guess of f at slot s, so the target's
+LM head turns it into a guess of token s+1. Drafting deeper feeds each guess back in as the next
+slot's feature. Embedding and LM head are the target's (shared, never stored with the head).
+
+Slot 0 has no feature before it: it reads zeros, in training and in serving alike.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specinfer.layers import ReplicatedLinear
+from specinfer.models.config import ModelConfig
+from specinfer.models.llama import LlamaForCausalLM
+
+
+class FeatureHead(LlamaForCausalLM):
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        self.fc = ReplicatedLinear(2 * config.hidden_size, config.hidden_size, bias=True)
+
+    def fuse(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """The first layer's input [B, T, H] from tokens [B, T] and the features before them
+        [B, T, H]; `decode` (the layers and final norm) takes it from there."""
+        x = torch.cat([self.embed(input_ids), features.to(self.fc.weight.dtype)], dim=-1)
+        return self.fc(x)

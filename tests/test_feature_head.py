@@ -1,0 +1,156 @@
+"""The feature-level draft head: teacher data with features, training math equal to the serving
+draft, export and loading, lossless speculation (greedy and sampled), and the errors."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from specinfer import Engine, SamplingParams
+from specinfer.feature_speculator import FeatureSpeculator
+from specinfer.loader import load_model
+from specinfer.sampling import Penalties
+from specinfer.tree import TreeConfig
+from specinfer.training.distill import TrainSettings
+from specinfer.training.export import export_student
+from specinfer.training.feature import (
+    build_head,
+    chain_acceptance,
+    chain_rates,
+    train_feature_head,
+    unrolled_forward,
+)
+from specinfer.training.teacher import TeacherSettings, make_teacher_data
+from test_speculative import (
+    PROMPT,
+    SAMPLES,
+    _chi_squared_p,
+    _sample_first3,
+    exact,  # noqa: F401 (a fixture)
+    tiny_pair,  # noqa: F401 (a fixture)
+)
+from test_training import _prompts
+from test_training import tiny as tiny_training  # noqa: F401 (a fixture)
+
+
+@pytest.fixture(scope="module")
+def head_dir(tiny_pair, tmp_path_factory):
+    """An (untrained) feature head of the tiny target, exported as the pipeline does."""
+    from specinfer.tokenizer import TokenizerWrapper
+
+    target = load_model(tiny_pair[0], torch.float32)
+    out = tmp_path_factory.mktemp("feature") / "head"
+    export_student(build_head(target), out, TokenizerWrapper.from_path(tiny_pair[0]),
+                   list(range(target.config.vocab_size)), {"kind": "feature"}, compact=True)  # fmt: skip
+    return out
+
+
+def _features_of(model, ids: list[int]) -> torch.Tensor:
+    T = len(ids)
+    kv = model.make_kv_cache(1, T)
+    with torch.inference_mode():
+        return model(torch.tensor([ids]), torch.arange(T)[None], kv, torch.tensor([0]),
+                     torch.tensor([0]), torch.ones(1, T, T, dtype=torch.bool).tril())[0]  # fmt: skip
+
+
+def test_teacher_data_keeps_the_targets_features(tmp_path, tiny_training):
+    path, target, _ = tiny_training
+    engine = Engine(path, dtype="float32")
+    settings = TeacherSettings(str(path), max_new_tokens=5, top_k_logits=3, features=True)
+    examples = make_teacher_data(engine, target, _prompts(3), settings, tmp_path)
+    for e in examples:
+        ids = e["prompt"] + e["completion"][:-1]
+        assert e["features"].shape == (len(ids), target.config.hidden_size)
+        want = _features_of(target, ids).to(torch.float16)
+        assert torch.allclose(e["features"].float(), want.float(), atol=1e-2)
+
+
+def test_unrolled_training_forward_is_the_serving_draft(tiny_pair):
+    # Drafting a chain serves pass j's output at slot root + j (its inputs: the true features up
+    # to the root, then the head's own outputs): training unrolls exactly what serving runs.
+    target = load_model(tiny_pair[0], torch.float32)
+    head = build_head(target)
+    context = PROMPT + [3, 0, 5, 1]
+    features = _features_of(target, context)
+    spec = FeatureSpeculator(head, TreeConfig((1, 1, 1)))
+    spec.reset(1, 64)
+    spec.admit(0)
+    r = len(context) - 1  # the root's slot
+    req = SimpleNamespace(row=0, params=SamplingParams(), generator=None,
+                          penalties=Penalties(SamplingParams(), PROMPT, 6), output_ids=[])  # fmt: skip
+    spec.write_features([req], [0], features[None], [r])  # the target has cached slots < r
+    with torch.inference_mode():
+        (tree,) = spec.draft([req], [context], [3])
+    assert tree.depths == [0, 1, 2, 3]
+    ids = torch.tensor([context + tree.tokens[1:3]])
+    padded = torch.cat([features[:r], torch.zeros(3, features.shape[1])])[None]
+    outs = unrolled_forward(head, ids, padded, passes=3)
+    for j in range(3):
+        assert torch.allclose(outs[j][0, r + j], spec.drafted[0, j], atol=1e-4), j
+        # and the token it proposes next is the serving draft's
+        assert head.compute_logits(outs[j][0, r + j]).argmax().item() == tree.tokens[j + 1]
+
+
+def test_chain_rates_count_whole_prefixes():
+    right = torch.tensor
+    # depth 1 right at 0, 1, 3; depth 2 (one slot later) right at 1, 2 -> drafts from 0 and 1
+    matches = [[right([1, 1, 0, 1]).bool(), right([0, 1, 1, 0]).bool(), right([0, 0, 0, 0]).bool()]]
+    assert chain_rates(matches) == {"depth1": 3 / 4, "depth2": 2 / 4, "depth3": 0.0}
+
+
+@pytest.mark.parametrize("ssm", ["feature", "merged"])
+@pytest.mark.parametrize("tree", ["1,1,1", "2,2,1"])
+def test_greedy_feature_head_equals_incremental(tiny_pair, head_dir, ssm, tree):
+    prompts = [PROMPT, [2, 2, 5], [0, 1, 2, 3, 4, 5, 1]]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ref = Engine(tiny_pair[0], dtype="float32").generate(prompts, params)
+    specs = f"feature:{head_dir}" if ssm == "feature" else [str(head_dir), tiny_pair[1], "ngram"]
+    trees = tree if ssm == "feature" else [tree, "1,1", None]
+    engine = Engine(tiny_pair[0], dtype="float32", ssm=specs, tree=trees, max_batch_size=2,
+                    adaptive_tree=False)  # fmt: skip
+    outs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    accepted = sum(o.metrics["per_ssm"][0]["accepted"] for o in outs)
+    assert accepted > 0  # the head's drafts were verified and some kept (6-token vocabulary)
+    assert outs[0].metrics["per_ssm"][0]["name"] == f"feature:{head_dir.name}"
+
+
+def test_sampled_feature_head_matches_incremental_distribution(tiny_pair, head_dir, exact):  # noqa: F811
+    engine = Engine(tiny_pair[0], dtype="float32", max_batch_size=512, ssm=str(head_dir),
+                    tree=TreeConfig((3, 2), sample_children=True))  # fmt: skip
+    stat, p = _chi_squared_p(_sample_first3(engine), exact, SAMPLES)
+    print(f"\nfeature head, sampled children: chi2 = {stat:.1f}, p = {p:.3f}")
+    assert p > 0.01, f"chi2 = {stat:.1f}, p = {p:.2e}"
+
+
+def test_training_a_head_reports_acceptance_and_exports(tmp_path, tiny_training):
+    path, target, _ = tiny_training
+    engine = Engine(path, dtype="float32")
+    settings = TeacherSettings(str(path), max_new_tokens=8, top_k_logits=3, features=True)
+    examples = make_teacher_data(engine, target, _prompts(16), settings, tmp_path / "teacher")
+    train = TrainSettings(steps=30, lr=3e-3, batch_size=4)
+    from specinfer.tokenizer import TokenizerWrapper
+
+    tok = TokenizerWrapper.from_path(path)
+    report = train_feature_head(target, tok, examples, examples[:6], train, tmp_path, str(path))
+    before, after = report["held_out_before"], report["held_out_after"]
+    assert set(after) == {"depth1", "depth2", "depth3"}
+    assert after["depth1"] > before["depth1"]  # trained on these very prompts
+    assert after["depth1"] >= after["depth2"] >= after["depth3"]
+    config = json.loads((tmp_path / "feature" / "config.json").read_text())
+    assert config["architectures"] == ["SpecinferFeatureHead"]
+    head = load_model(tmp_path / "feature", torch.float32, shared_embeddings_from=target)
+    assert chain_acceptance(head, examples[:6]) == after  # the export is what was measured
+    with pytest.raises(ValueError, match="without features"):
+        train_feature_head(target, tok, [{"prompt": [1], "completion": [2]}], [], train,
+                           tmp_path / "x", str(path))  # fmt: skip
+
+
+def test_feature_head_errors(tiny_pair, head_dir):
+    with pytest.raises(ValueError, match="not a feature head"):
+        Engine(tiny_pair[0], ssm=f"feature:{tiny_pair[1]}")
+    with pytest.raises(ValueError, match="hidden states"):
+        Engine(tiny_pair[0], ssm=str(head_dir), mode="dsi")
+    with pytest.raises(ValueError, match="compact SSM"):
+        load_model(head_dir)  # it has no embeddings of its own
