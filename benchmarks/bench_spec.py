@@ -23,8 +23,11 @@
   turn (each prompt through every configuration before the next prompt), so drift of a shared
   machine's speed hits all alike; per-token latency, tokens per step and speedup over incremental,
   and the tokens per step each configuration's step time would need for 2x over incremental.
-  A configuration is "incremental", an n-gram spec, an SSM tree ("1,1": the --ssm with that
-  tree), or an SSM tree merged with an n-gram drafter ("1,1+ngram"); speculative ones cut their
+  A configuration is "incremental", or drafters merged with "+": an n-gram spec, an SSM tree
+  ("1,1": the --ssm with that tree), or any SSM spec, optionally with a tree ("default",
+  "feature:PATH@2,2,1"; without one it drafts the tree the budget sizes): "1,1+ngram",
+  "feature:PATH+ngram". Each configuration's drafters report their accepted tokens and
+  milliseconds a step (per_ssm). Speculative ones cut their
   trees to what pays (the engine's default, budget.TreeBudget) unless prefixed "whole:"
   ("whole:1,1+ngram" verifies every drafted node). The other sections verify whole trees: they
   measure the shapes they are given.
@@ -318,16 +321,12 @@ def paired(base: dict, args, prompts: list) -> dict:
     for name in args.paired:
         whole = name.startswith("whole:")
         config = name.removeprefix("whole:")
-        tree, _, ngram = config.partition("+")
         kw = {**base, "adaptive_tree": not whole}
         if config == "incremental":
             engines[name] = Engine(**{**kw, "ssm": None})
-        elif config.startswith("ngram"):
-            engines[name] = Engine(**{**kw, "ssm": config})
-        elif ngram:
-            engines[name] = Engine(**{**kw, "ssm": [args.ssm, ngram]}, tree=[tree, None])
-        else:
-            engines[name] = Engine(**kw, tree=tree)
+            continue
+        specs, trees = zip(*(_drafter(part, args.ssm) for part in config.split("+")))
+        engines[name] = Engine(**{**kw, "ssm": list(specs)}, tree=list(trees))
     runs = {name: [] for name in engines}
     for prompt in prompts:
         for name, engine in engines.items():
@@ -345,6 +344,14 @@ def paired(base: dict, args, prompts: list) -> dict:
             key: sum(r["breakdown_ms_per_step"][key] for r in rows) / len(rows)
             for key in ("ssm_s", "target_s", "verify_s", "commit_s")
         }
+        drafters = rows[0]["accepted_per_ssm"]
+        # What each drafter cost a step, and the accepted tokens only its tree held (a token
+        # in two drafters' trees counts for both).
+        result[name]["per_ssm"] = {
+            d: {"ms_per_step": sum(r["breakdown_ms_per_step"]["per_ssm"][d] for r in rows) / len(rows),
+                "accepted_tokens": sum(r["accepted_per_ssm"][d] for r in rows)}
+            for d in drafters
+        }  # fmt: skip
     base_ms = result.get("incremental", {}).get("ms_per_token")
     for name, row in result.items():
         if base_ms:
@@ -356,6 +363,18 @@ def paired(base: dict, args, prompts: list) -> dict:
               f"(2x needs {row.get('tokens_per_step_for_2x', float('nan')):.2f}), "
               f"{row.get('speedup_vs_incremental', float('nan')):.2f}x incremental")  # fmt: skip
     return result
+
+
+def _drafter(part: str, ssm: str) -> tuple[str, str | None]:
+    """(SSM spec, tree) of one '+'-joined part of a paired configuration: an n-gram spec, a
+    tree for --ssm ("1,1"), or an SSM spec with an optional tree ("feature:PATH@1,1"; without
+    one it drafts what the engine gives it: sized by the budget, or its default tree)."""
+    if part.startswith("ngram"):
+        return part, None
+    if part.replace(",", "").isdigit():
+        return ssm, part
+    spec, _, tree = part.partition("@")
+    return spec, tree or None
 
 
 def plot(result: dict, plt):

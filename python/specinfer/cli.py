@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=None,
         help="speculative model: a model path, layers:L (the target's first L layers), default "
-        "(the SSM shipped for the default model), or ngram[:max_n=3,min_n=3,depth=8,branches=1] "
+        "(the SSM shipped for the default model), feature (its feature head; feature:PATH for "
+        "one trained with train-ssm --kind feature), or ngram[:max_n=3,min_n=3,depth=8,branches=1] "
         "(prompt lookup); repeat it to merge their trees. Default: default and ngram for the "
         "default model, ngram for others (turn off with --mode incremental)",
     )

@@ -86,14 +86,25 @@ def ships_an_ssm(model: str | Path | None) -> bool:
     return name == GGUF_NAME and (DEFAULT_SSM_DIR / "config.json").is_file()
 
 
+# The feature head (EAGLE-style, `specinfer train-ssm --kind feature`) trained for the default
+# model, shipped the same way (its layer and fc only): ssm="feature".
+DEFAULT_FEATURE_DIR = Path(__file__).parent / "default_feature_head"
+
+
 def default_ssm_path(target_path: Path) -> Path:
+    return _shipped(target_path, DEFAULT_SSM_DIR, "default", "the SSM distilled")
+
+
+def default_feature_path(target_path: Path) -> Path:
+    return _shipped(target_path, DEFAULT_FEATURE_DIR, "feature", "the feature head trained")
+
+
+def _shipped(target_path: Path, directory: Path, spec: str, what: str) -> Path:
     if target_path.name != GGUF_NAME:
         raise ValueError(
-            f'ssm="default" is the SSM distilled from {GGUF_NAME}; {target_path.name} needs its '
-            "own (see `specinfer train-ssm`), or layers:L / ngram"
+            f'ssm="{spec}" is {what} for {GGUF_NAME}; {target_path.name} needs its own (see '
+            "`specinfer train-ssm`), or layers:L / ngram"
         )
-    if not (DEFAULT_SSM_DIR / "config.json").is_file():
-        raise FileNotFoundError(
-            f"the default SSM is missing from this installation: {DEFAULT_SSM_DIR}"
-        )
-    return DEFAULT_SSM_DIR
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(f'ssm="{spec}" is missing from this installation: {directory}')
+    return directory

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from torch import nn
 
-from specinfer.default_model import DEFAULT_SSM_TREE, default_ssm_path
+from specinfer.default_model import DEFAULT_SSM_TREE, default_feature_path, default_ssm_path
 from specinfer.ngram import NgramConfig, NgramDrafter
 from specinfer.speculator import load_speculator, parse_layers
 from specinfer.tree import TokenTree, TreeConfig, merge_trees
@@ -133,7 +133,8 @@ def _own_path(path: list[int], merged_of: list[int]) -> list[int]:
 def build_drafter(specs, trees, target: nn.Module, target_path: Path, dtype, device,
                   head: int | None, chains: bool, sized: bool = False) -> Drafter:  # fmt: skip
     """SSMs from specs (a model path, int L / "layers:L", "default" for the SSM shipped for the
-    default model, or an n-gram spec "ngram[:k=v,...]"),
+    default model, "feature" for its feature head, "feature:PATH" for another feature head, or
+    an n-gram spec "ngram[:k=v,...]"),
     each with its tree config (`trees`: one for all, or a list per SSM; None at n-gram entries).
     `head`: the neural SSMs' LM head vocabulary (see `head_token_ids`). `chains`: sequence mode,
     every SSM drafts a chain. `sized`: a neural SSM given no tree drafts SIZED_TREE to the
@@ -164,6 +165,8 @@ def build_drafter(specs, trees, target: nn.Module, target_path: Path, dtype, dev
         if spec == "default":
             spec = default_ssm_path(target_path)
             tree = tree or (None if grows else DEFAULT_SSM_TREE)
+        elif spec == "feature":
+            spec = default_feature_path(target_path)
         if grows:
             tree = SIZED_TREE
         tree = TreeConfig.parse(tree) if isinstance(tree, str) else tree or TreeConfig()
@@ -171,7 +174,8 @@ def build_drafter(specs, trees, target: nn.Module, target_path: Path, dtype, dev
             tree = TreeConfig((1,) * tree.depth, tree.max_nodes, tree.sample_children)
         ssm = load_speculator(spec, target, target_path, tree, dtype, device)
         ssm.sized = grows
-        ssm.restrict_head(head_token_ids(spec, head, target.config.vocab_size))
+        directory = spec.removeprefix("feature:") if isinstance(spec, str) else spec
+        ssm.restrict_head(head_token_ids(directory, head, target.config.vocab_size))
         ssms.append(ssm)
     return Drafter(ssms)
 
