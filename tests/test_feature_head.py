@@ -92,6 +92,21 @@ def test_unrolled_training_forward_is_the_serving_draft(tiny_pair):
         assert head.compute_logits(outs[j][0, r + j]).argmax().item() == tree.tokens[j + 1]
 
 
+def test_a_head_started_from_an_ssm_is_that_ssm(tiny_pair):
+    # fc passes the token embedding through and ignores the feature: every pass is the SSM.
+    from specinfer.training.student import train_forward
+
+    target = load_model(tiny_pair[0], torch.float32)
+    ssm = load_model(tiny_pair[1], torch.float32)
+    ssm.model.embed_tokens.weight = target.model.embed_tokens.weight  # as a compact SSM's
+    head = build_head(target, ssm)
+    assert head.config.num_layers == ssm.config.num_layers
+    ids = torch.tensor([PROMPT + [3, 0, 5, 1]])
+    feats = torch.randn(1, ids.shape[1], head.config.hidden_size)
+    for out in unrolled_forward(head, ids, feats):
+        assert torch.allclose(out, train_forward(ssm, ids), atol=1e-5)
+
+
 def test_chain_rates_count_whole_prefixes():
     right = torch.tensor
     # depth 1 right at 0, 1, 3; depth 2 (one slot later) right at 1, 2 -> drafts from 0 and 1

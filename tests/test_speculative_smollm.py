@@ -141,6 +141,31 @@ def test_the_shipped_default_ssm_is_lossless(smollm_gguf, incremental):
     print(f"\ndefault SSM + ngram: near-ties {len(ties)}", *ties, sep="\n  ")
 
 
+def test_the_shipped_feature_head_is_lossless(smollm_gguf, incremental):
+    spec = Engine(smollm_gguf, dtype="float32", ssm=["feature", "ngram"], max_batch_size=2)
+    ties = _check(incremental, spec, CHATS[:2], 24)
+    print(f"\nfeature head + ngram: near-ties {len(ties)}", *ties, sep="\n  ")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ssm", [["feature"], ["feature", "default", "ngram"]])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_feature_head_is_lossless_30x128(smollm_gguf, incremental, ssm, dtype):
+    """The shipped feature head alone and merged, cut by the budget, at batch 4; bfloat16 with
+    no near-tie allowance (see test_bfloat16_speculation_is_bit_exact)."""
+    spec = Engine(smollm_gguf, dtype=dtype, ssm=ssm, max_batch_size=4)
+    prompts = WRITTEN + CHATS + _stdlib_prompts(10) + _more_stdlib_prompts()
+    if dtype == "float32":
+        ties = _check(incremental, spec, prompts, 128)
+        print(f"\n{ssm} 30 x 128: near-ties {len(ties)}", *ties, sep="\n  ")
+        return
+    params = SamplingParams(max_tokens=128, ignore_eos=True)
+    reference = Engine(smollm_gguf, dtype=dtype, max_batch_size=4).generate(prompts, params)
+    outs = spec.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    assert sum(o.metrics["per_ssm"][0]["accepted"] for o in outs) > 0
+
+
 @pytest.mark.parametrize("ssm", [[], ["--ssm", "default", "--ssm", "ngram"]])
 def test_generate_speculates_by_default(smollm_gguf, capsys, ssm):
     from specinfer.cli import main
@@ -177,7 +202,8 @@ def incremental_bf16(smollm_gguf):
 
 @pytest.mark.parametrize(
     "ssm, tree, mode, batch",
-    [("layers:4", "2,2,1", "tree", 4), ("layers:2", "1,1,1,1", "sequence", 1), (["layers:2", "ngram"], "1,3,1", "tree", 4)],
+    [("layers:4", "2,2,1", "tree", 4), ("layers:2", "1,1,1,1", "sequence", 1), (["layers:2", "ngram"], "1,3,1", "tree", 4),
+     (["feature", "ngram"], "2,2,1", "tree", 4)],
 )  # fmt: skip
 def test_bfloat16_speculation_is_bit_exact(smollm_gguf, incremental_bf16, ssm, tree, mode, batch):
     """bfloat16 (the fast dtype, recorded op graphs on): no near-tie allowance. The CPU kernels

@@ -14,6 +14,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kind", choices=["layers", "feature"], default="layers",
                    help="layers: a student of selected target layers; feature: a draft head "
                    "over the target's hidden states (EAGLE-style; --layers etc. do not apply)")  # fmt: skip
+    p.add_argument("--start", default=None,
+                   help="--kind feature: start the head from this SSM of the target (its "
+                   "layers; e.g. python/specinfer/default_ssm), not the target's last layer")  # fmt: skip
     p.add_argument("--layers", default="first:2", help="target layers: first:N or e.g. 0,1,5")
     p.add_argument("--mlp-keep", type=float, default=1.0,
                    help="fraction of MLP channels kept (largest weight norms)")  # fmt: skip
@@ -66,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
             temperature=args.temperature, top_k_logits=args.top_k_logits, dtype=args.dtype,
             gen_batch=args.gen_batch, settings=settings,
             compact=args.compact, boost_stages=args.boost, match=args.match,
-            independent_mode=args.independent, kind=args.kind,
+            independent_mode=args.independent, kind=args.kind, start=args.start,
         )  # fmt: skip
     except (ValueError, FileNotFoundError) as e:
         print(f"specinfer: error: {e}", file=sys.stderr)

@@ -33,27 +33,36 @@ from specinfer.training.scoring import completion_logits
 from specinfer.training.student import _rms_norm, _rotate
 
 UNROLL = 3  # passes trained (and depths evaluated)
-FEATURE_WEIGHT = 1.0  # smooth L1 on features, beside the KL on tokens (weight 1)
+# Smooth L1 on features, beside the KL on tokens (weight 1): a light anchor. The unrolled
+# passes already train what depth 2+ reads (EAGLE-3 drops this loss altogether).
+FEATURE_WEIGHT = 0.1
 
 
-def build_head(target: nn.Module, num_layers: int = 1) -> FeatureHead:
-    """A float32 head for `target`, sharing its embedding and LM head. Its layers start as the
-    target's last ones and its norm as the target's final norm (they already map hidden states
-    to features); fc starts by passing the feature through, plus a little of the token."""
+def build_head(target: nn.Module, start: nn.Module | None = None) -> FeatureHead:
+    """A float32 head for `target`, sharing its embedding and LM head. From `start`, an SSM of
+    the target (e.g. the distilled default SSM): its layers and norm, with fc passing the token
+    embedding through and ignoring the feature, so the head starts as that SSM and training
+    adds what the features tell. Without it: one layer, the target's last (it already maps
+    hidden states to features), its final norm, and fc passing the feature through plus a
+    little of the token."""
     if target.config.architecture != "llama":
         raise ValueError(f"feature heads support Llama-family targets, not "
                          f"{target.config.architecture}")  # fmt: skip
-    total = target.config.num_layers
-    config = dataclasses.replace(target.config, architecture="feature", num_layers=num_layers)
+    source = start if start is not None else target
+    layers = list(source.model.layers) if start is not None else [target.model.layers[-1]]
+    config = dataclasses.replace(source.config, architecture="feature", num_layers=len(layers))
     head = FeatureHead(config).float().eval()
-    for i, src in enumerate(range(total - num_layers, total)):
-        head.model.layers[i].load_state_dict(target.model.layers[src].state_dict())
-    head.model.norm.load_state_dict(target.model.norm.state_dict())
+    for mine, theirs in zip(head.model.layers, layers):
+        mine.load_state_dict(theirs.state_dict())
+    head.model.norm.load_state_dict(source.model.norm.state_dict())
     H = config.hidden_size
-    g = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        head.fc.weight.copy_(torch.cat([torch.randn(H, H, generator=g) * 0.02 / math.sqrt(H) * 8,
-                                        torch.eye(H)], dim=1))  # fmt: skip
+        if start is not None:
+            head.fc.weight.copy_(torch.cat([torch.eye(H), torch.zeros(H, H)], dim=1))
+        else:
+            g = torch.Generator().manual_seed(0)
+            token = torch.randn(H, H, generator=g) * 0.16 / math.sqrt(H)
+            head.fc.weight.copy_(torch.cat([token, torch.eye(H)], dim=1))
         head.fc.bias.zero_()
     head.model.embed_tokens.weight = target.model.embed_tokens.weight
     head.lm_head.weight = target.lm_head.weight
@@ -201,27 +210,33 @@ def chain_rates(matches: list[list[torch.Tensor]]) -> dict[str, float]:
 
 
 def train_feature_head(target, tokenizer, examples: list[dict], held: list[dict],
-                       settings: TrainSettings, out: Path, target_name: str) -> dict:  # fmt: skip
-    """The pipeline's `--kind feature`: build, train (resumable), export to <out>/feature (or
-    load a finished export), and report held-out chain acceptance before and after."""
+                       settings: TrainSettings, out: Path, target_name: str,
+                       start: str | Path | None = None) -> dict:  # fmt: skip
+    """The pipeline's `--kind feature`: build (from the SSM at `start`, see build_head), train
+    (resumable), export to <out>/feature (or load a finished export), and report held-out
+    chain acceptance before and after."""
     from specinfer.default_model import DEFAULT_SSM_DIR, ships_an_ssm
     from specinfer.loader import load_model
     from specinfer.training.teacher import head_tokens
 
     if examples and "features" not in examples[0]:
         raise ValueError("teacher data without features: remake it with --kind feature")
-    head = build_head(target)
+    ssm = None
+    if start is not None:
+        ssm = load_model(start, torch.float32, shared_embeddings_from=target)
+    head = build_head(target, ssm)
     out_dir = out / "feature"
     info = {"kind": "feature", "train": asdict(settings), "examples": len(examples),
-            "unroll": UNROLL}  # fmt: skip
+            "unroll": UNROLL, "feature_weight": FEATURE_WEIGHT,
+            "start": str(start) if start is not None else None}  # fmt: skip
     report = {"target": target_name, "kind": "feature", "train_prompts": len(examples),
               "held_out_prompts": len(held),
               "teacher_tokens": sum(len(e["completion"]) for e in examples)}  # fmt: skip
     if held:
         report["held_out_before"] = chain_acceptance(head, held, desc="untrained: held-out")
         if ships_an_ssm(target_name):
-            ssm = load_model(DEFAULT_SSM_DIR, torch.float32, shared_embeddings_from=target)
-            report["held_out_default_ssm"] = ssm_chain_acceptance(ssm, held)
+            default = load_model(DEFAULT_SSM_DIR, torch.float32, shared_embeddings_from=target)
+            report["held_out_default_ssm"] = ssm_chain_acceptance(default, held)
     if (out_dir / "config.json").exists():
         made = json.loads((out_dir / "config.json").read_text()).get("specinfer", {})
         if {k: made.get(k) for k in info} != info:

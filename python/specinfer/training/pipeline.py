@@ -43,11 +43,13 @@ def train_ssm(
     match: str = "identical",
     independent_mode: str | None = None,
     kind: str = "layers",
+    start: str | Path | None = None,
 ) -> dict:
     """Returns the report (also written to <out>/report.json). `chat`: wrap text prompts in the
     target's chat template (default: when it has one, as `specinfer generate` does). `kind`:
     "layers" (a student of selected target layers) or "feature" (a feature-level draft head,
-    see training/feature.py; `layers`, `mlp_keep`, boosting and `compact` do not apply)."""
+    see training/feature.py; `layers`, `mlp_keep`, boosting and `compact` do not apply; `start`:
+    an SSM of the target the head starts from, e.g. the shipped default SSM)."""
     from specinfer.default_model import default_model_path
     from specinfer.engine import Engine
     from specinfer.loader import load_model
@@ -56,6 +58,8 @@ def train_ssm(
     match_rule(match)  # bad input fails before any work
     if kind not in ("layers", "feature"):
         raise ValueError(f"kind must be 'layers' or 'feature', got {kind!r}")
+    if start is not None and (kind != "feature" or not Path(start).is_dir()):
+        raise ValueError(f"--start takes an SSM directory for --kind feature, got {start!r}")
     if boost_stages < 1:
         raise ValueError(f"boost stages must be at least 1, got {boost_stages}")
     if top_k_logits < 1 or max_new_tokens < 1:
@@ -88,7 +92,8 @@ def train_ssm(
     if kind == "feature":
         from specinfer.training.feature import train_feature_head
 
-        return train_feature_head(target, tokenizer, examples, held, settings, out, str(path))
+        return train_feature_head(target, tokenizer, examples, held, settings, out, str(path),
+                                  start)  # fmt: skip
 
     recipe = SSMRecipe(target, tokenizer, chosen, settings, head_tokens(examples), mlp_keep,
                        compact)  # fmt: skip
