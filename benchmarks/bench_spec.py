@@ -19,6 +19,8 @@
 - Drafters at batch 1: the n-gram drafter alone, the SSM alone, and both merged into one tree:
   latency, tokens per step, accepted nodes per SSM, and one iteration's time broken down (each
   SSM's drafting, target tree forward, verify, commit).
+- Acceptance (--acceptance SSMs): real greedy decoding with each SSM alone drafting whole chains
+  of 3: per depth d, the fraction of steps whose first d drafted tokens were accepted.
 - Paired (--paired): incremental decoding and drafting configurations run prompt by prompt in
   turn (each prompt through every configuration before the next prompt), so drift of a shared
   machine's speed hits all alike; per-token latency, tokens per step and speedup over incremental,
@@ -59,7 +61,7 @@ STDLIB = ["json", "os.path", "collections", "itertools", "re", "argparse", "csv"
 
 
 SECTIONS = ("table1", "table2", "table3", "latency", "trees", "drafters", "ngrams", "rows",
-            "paired")  # fmt: skip
+            "paired", "acceptance")  # fmt: skip
 
 
 def parse_sampling(text: str) -> dict:
@@ -175,6 +177,11 @@ def main() -> None:
     parser.add_argument("--ngrams", nargs="+", default=["ngram", "ngram:min_n=2"])
     parser.add_argument("--paired", nargs="+", default=["incremental", "ngram", "1+ngram", "1,1+ngram"],
                         help="configurations of the paired section")  # fmt: skip
+    parser.add_argument("--acceptance", nargs="+", default=["default", "feature"],
+                        help="SSM specs of the acceptance section")  # fmt: skip
+    parser.add_argument("--paired-batches", type=int, nargs="+", default=[1],
+                        help="batch sizes of the paired section (requests run together, "
+                        "consecutive prompts)")  # fmt: skip
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     parser.add_argument(
         "--sampling",
@@ -213,8 +220,11 @@ def main() -> None:
         result["target_forward_ms_by_rows"] = row_costs(base, prompts)
     if "ngrams" in run:
         result["ngrams_batch1"] = ngrams(base, args.ngrams, prompts, args.tokens)
+    if "acceptance" in run:
+        result["acceptance_by_depth"] = acceptance(base, args.acceptance, prompts, args.tokens)
     if "paired" in run:
-        result["paired_batch1"] = paired(base, args, prompts)
+        for batch in args.paired_batches:
+            result[f"paired_batch{batch}"] = paired(base, args, prompts, batch)
     save(result, args.out, plot)
 
 
@@ -315,8 +325,9 @@ def ngrams(base: dict, specs: list[str], prompts: list, tokens: int) -> dict:
     return result
 
 
-def paired(base: dict, args, prompts: list) -> dict:
-    """Each configuration on each prompt in turn; means over prompts (equal token counts)."""
+def paired(base: dict, args, prompts: list, batch: int = 1) -> dict:
+    """Each configuration on each group of `batch` prompts in turn; means over groups (equal
+    token counts)."""
     engines = {}
     for name in args.paired:
         whole = name.startswith("whole:")
@@ -328,9 +339,10 @@ def paired(base: dict, args, prompts: list) -> dict:
         specs, trees = zip(*(_drafter(part, args.ssm) for part in config.split("+")))
         engines[name] = Engine(**{**kw, "ssm": list(specs)}, tree=list(trees))
     runs = {name: [] for name in engines}
-    for prompt in prompts:
+    groups = [prompts[i : i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
+    for group in groups:
         for name, engine in engines.items():
-            runs[name].append(latency_ms(engine, [prompt], args.tokens, 1, args.sampling))
+            runs[name].append(latency_ms(engine, group, args.tokens, batch, args.sampling))
     result = {}
     for name, rows in runs.items():
         result[name] = {
@@ -358,10 +370,25 @@ def paired(base: dict, args, prompts: list) -> dict:
             row["speedup_vs_incremental"] = base_ms / row["ms_per_token"]
             # What this configuration's steps would have to yield to halve incremental latency.
             row["tokens_per_step_for_2x"] = 2 * row["ms_per_step"] / base_ms
-        print(f"paired {name}: {row['ms_per_token']:.1f} ms/token, "
+        print(f"paired batch {batch} {name}: {row['ms_per_token']:.1f} ms/token, "
               f"{row['tokens_per_step']:.2f} tokens/step "
               f"(2x needs {row.get('tokens_per_step_for_2x', float('nan')):.2f}), "
               f"{row.get('speedup_vs_incremental', float('nan')):.2f}x incremental")  # fmt: skip
+    return result
+
+
+def acceptance(base: dict, specs: list[str], prompts: list, tokens: int, depth: int = 3) -> dict:
+    """Real decoding (greedy, whole chains of `depth`, each SSM alone): per depth d, the
+    fraction of steps whose draft had its first d tokens accepted."""
+    result = {}
+    for spec in specs:
+        engine = Engine(**{**base, "ssm": spec, "max_batch_size": 16}, tree=",".join(["1"] * depth))
+        outs = engine.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
+        steps = sum(o.metrics["steps"] for o in outs)
+        per_depth = [sum((o.metrics["accepted_per_depth"] + [0] * depth)[d] for o in outs)
+                     for d in range(depth)]  # fmt: skip
+        result[spec] = {f"depth{d + 1}": n / steps for d, n in enumerate(per_depth)}
+        print(f"acceptance {spec}:", " ".join(f"{k} {v:.1%}" for k, v in result[spec].items()))
     return result
 
 
@@ -382,7 +409,7 @@ def plot(result: dict, plt):
               ("table3_mss_vs_naive", _plot_table3), ("latency", _plot_latency),
               ("trees_batch1", _plot_trees), ("ngrams_batch1", _plot_ngrams),
               ("drafters_batch1", _plot_breakdown), ("target_forward_ms_by_rows", _plot_rows),
-              ("paired_batch1", _plot_paired))
+              *((k, _plot_paired) for k in result if k.startswith("paired_batch")))
               if key in result]  # fmt: skip
     # Bar panels widen with their bars, so labels of many configurations do not overlap.
     widths = [max(5.0, 0.8 * len(result[key])) for key, _ in panels] or [5.0]
@@ -425,7 +452,8 @@ def _plot_ngrams(ax, rows: dict, result: dict) -> None:
 
 
 def _plot_paired(ax, rows: dict, result: dict) -> None:
-    _bars(ax, rows, "paired runs at batch 1")
+    batch = next(k for k, v in result.items() if v is rows).removeprefix("paired_batch")
+    _bars(ax, rows, f"paired runs at batch {batch}")
     if "incremental" in rows:
         ax.axhline(rows["incremental"]["ms_per_token"] / 2, linestyle="--", color="gray",
                    label="2x faster than incremental")  # fmt: skip
