@@ -11,7 +11,6 @@ from specinfer import Engine, SamplingParams
 from specinfer.feature_speculator import FeatureSpeculator
 from specinfer.loader import load_model
 from specinfer.sampling import Penalties
-from specinfer.tree import TreeConfig
 from specinfer.training.distill import TrainSettings
 from specinfer.training.export import export_student
 from specinfer.training.feature import (
@@ -22,6 +21,7 @@ from specinfer.training.feature import (
     unrolled_forward,
 )
 from specinfer.training.teacher import TeacherSettings, make_teacher_data
+from specinfer.tree import TreeConfig
 from test_speculative import (
     PROMPT,
     SAMPLES,
@@ -35,7 +35,7 @@ from test_training import tiny as tiny_training  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(scope="module")
-def head_dir(tiny_pair, tmp_path_factory):
+def head_dir(tiny_pair, tmp_path_factory):  # noqa: F811
     """An (untrained) feature head of the tiny target, exported as the pipeline does."""
     from specinfer.tokenizer import TokenizerWrapper
 
@@ -54,7 +54,7 @@ def _features_of(model, ids: list[int]) -> torch.Tensor:
                      torch.tensor([0]), torch.ones(1, T, T, dtype=torch.bool).tril())[0]  # fmt: skip
 
 
-def test_teacher_data_keeps_the_targets_features(tmp_path, tiny_training):
+def test_teacher_data_keeps_the_targets_features(tmp_path, tiny_training):  # noqa: F811
     path, target, _ = tiny_training
     engine = Engine(path, dtype="float32")
     settings = TeacherSettings(str(path), max_new_tokens=5, top_k_logits=3, features=True)
@@ -66,7 +66,7 @@ def test_teacher_data_keeps_the_targets_features(tmp_path, tiny_training):
         assert torch.allclose(e["features"].float(), want.float(), atol=1e-2)
 
 
-def test_unrolled_training_forward_is_the_serving_draft(tiny_pair):
+def test_unrolled_training_forward_is_the_serving_draft(tiny_pair):  # noqa: F811
     # Drafting a chain serves pass j's output at slot root + j (its inputs: the true features up
     # to the root, then the head's own outputs): training unrolls exactly what serving runs.
     target = load_model(tiny_pair[0], torch.float32)
@@ -92,7 +92,7 @@ def test_unrolled_training_forward_is_the_serving_draft(tiny_pair):
         assert head.compute_logits(outs[j][0, r + j]).argmax().item() == tree.tokens[j + 1]
 
 
-def test_a_head_started_from_an_ssm_is_that_ssm(tiny_pair):
+def test_a_head_started_from_an_ssm_is_that_ssm(tiny_pair):  # noqa: F811
     # fc passes the token embedding through and ignores the feature: every pass is the SSM.
     from specinfer.training.student import train_forward
 
@@ -116,7 +116,7 @@ def test_chain_rates_count_whole_prefixes():
 
 @pytest.mark.parametrize("ssm", ["feature", "merged"])
 @pytest.mark.parametrize("tree", ["1,1,1", "2,2,1"])
-def test_greedy_feature_head_equals_incremental(tiny_pair, head_dir, ssm, tree):
+def test_greedy_feature_head_equals_incremental(tiny_pair, head_dir, ssm, tree):  # noqa: F811
     prompts = [PROMPT, [2, 2, 5], [0, 1, 2, 3, 4, 5, 1]]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     ref = Engine(tiny_pair[0], dtype="float32").generate(prompts, params)
@@ -139,7 +139,7 @@ def test_sampled_feature_head_matches_incremental_distribution(tiny_pair, head_d
     assert p > 0.01, f"chi2 = {stat:.1f}, p = {p:.2e}"
 
 
-def test_training_a_head_reports_acceptance_and_exports(tmp_path, tiny_training):
+def test_training_a_head_reports_acceptance_and_exports(tmp_path, tiny_training):  # noqa: F811
     path, target, _ = tiny_training
     engine = Engine(path, dtype="float32")
     settings = TeacherSettings(str(path), max_new_tokens=8, top_k_logits=3, features=True)
@@ -162,7 +162,7 @@ def test_training_a_head_reports_acceptance_and_exports(tmp_path, tiny_training)
                            tmp_path / "x", str(path))  # fmt: skip
 
 
-def test_feature_head_errors(tiny_pair, head_dir):
+def test_feature_head_errors(tiny_pair, head_dir):  # noqa: F811
     with pytest.raises(ValueError, match="not a feature head"):
         Engine(tiny_pair[0], ssm=f"feature:{tiny_pair[1]}")
     with pytest.raises(ValueError, match="hidden states"):
