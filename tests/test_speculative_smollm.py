@@ -186,13 +186,14 @@ def test_generate_speculates_by_default(smollm_gguf, capsys, ssm):
     assert capsys.readouterr().out == speculative.out
 
 
-def test_the_default_ssm_belongs_to_the_default_model(tmp_path):
+@pytest.mark.parametrize(
+    "spec, message", [("default", "distilled from"), ("feature", "trained for")]
+)
+def test_the_default_ssm_belongs_to_the_default_model(tmp_path, spec, message):
     from specinfer.drafting import build_drafter
 
-    with pytest.raises(ValueError, match="distilled from"):
-        build_drafter(
-            "default", None, None, tmp_path / "other.gguf", torch.float32, "cpu", None, False
-        )
+    with pytest.raises(ValueError, match=message):
+        build_drafter(spec, None, None, tmp_path / "other.gguf", torch.float32, "cpu", None, False)
 
 
 @pytest.fixture(scope="module")

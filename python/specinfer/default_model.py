@@ -92,17 +92,17 @@ DEFAULT_FEATURE_DIR = Path(__file__).parent / "default_feature_head"
 
 
 def default_ssm_path(target_path: Path) -> Path:
-    return _shipped(target_path, DEFAULT_SSM_DIR, "default", "the SSM distilled")
+    return _shipped(target_path, DEFAULT_SSM_DIR, "default", "the SSM distilled from")
 
 
 def default_feature_path(target_path: Path) -> Path:
-    return _shipped(target_path, DEFAULT_FEATURE_DIR, "feature", "the feature head trained")
+    return _shipped(target_path, DEFAULT_FEATURE_DIR, "feature", "the feature head trained for")
 
 
 def _shipped(target_path: Path, directory: Path, spec: str, what: str) -> Path:
     if target_path.name != GGUF_NAME:
         raise ValueError(
-            f'ssm="{spec}" is {what} for {GGUF_NAME}; {target_path.name} needs its own (see '
+            f'ssm="{spec}" is {what} {GGUF_NAME}; {target_path.name} needs its own (see '
             "`specinfer train-ssm`), or layers:L / ngram"
         )
     if not (directory / "config.json").is_file():

@@ -56,7 +56,7 @@ def hf_config(cfg, dtype: torch.dtype) -> dict:
     config = {
         "architectures": [
             "SpecinferFeatureHead" if cfg.architecture == "feature" else "LlamaForCausalLM"
-        ],  # fmt: skip
+        ],
         "model_type": "llama",
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
