@@ -165,17 +165,19 @@ def build_drafter(specs, trees, target: nn.Module, target_path: Path, dtype, dev
         if spec == "default":
             spec = default_ssm_path(target_path)
             tree = tree or (None if grows else DEFAULT_SSM_TREE)
-        elif spec == "feature":
+        feature = spec == "feature" or (isinstance(spec, str) and spec.startswith("feature:"))
+        if spec == "feature":
             spec = default_feature_path(target_path)
+        elif feature:
+            spec = spec.removeprefix("feature:")
         if grows:
             tree = SIZED_TREE
         tree = TreeConfig.parse(tree) if isinstance(tree, str) else tree or TreeConfig()
         if chains:
             tree = TreeConfig((1,) * tree.depth, tree.max_nodes, tree.sample_children)
-        ssm = load_speculator(spec, target, target_path, tree, dtype, device)
+        ssm = load_speculator(spec, target, target_path, tree, dtype, device, feature)
         ssm.sized = grows
-        directory = spec.removeprefix("feature:") if isinstance(spec, str) else spec
-        ssm.restrict_head(head_token_ids(directory, head, target.config.vocab_size))
+        ssm.restrict_head(head_token_ids(spec, head, target.config.vocab_size))
         ssms.append(ssm)
     return Drafter(ssms)
 

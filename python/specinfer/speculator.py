@@ -311,18 +311,18 @@ class Speculator:
 
 
 def load_speculator(
-    spec, target: nn.Module, target_path: Path, tree: TreeConfig, dtype, device
-) -> Speculator:
+    spec, target: nn.Module, target_path: Path, tree: TreeConfig, dtype, device,
+    feature: bool = False,
+) -> Speculator:  # fmt: skip
     """`spec`: an int L / "layers:L" (the target's first L layers), or a model path (an SSM, or
-    a feature head: `specinfer train-ssm --kind feature`; "feature:PATH" says so explicitly)."""
+    a feature head: `specinfer train-ssm --kind feature`; `feature` requires one)."""
     if isinstance(spec, int) or (isinstance(spec, str) and spec.startswith("layers:")):
         n = spec if isinstance(spec, int) else parse_layers(spec)
         return Speculator(layer_selected(target, n), tree, name=f"layers:{n}")
     from specinfer.feature_speculator import FeatureSpeculator
     from specinfer.loader import load_model
 
-    feature = isinstance(spec, str) and spec.startswith("feature:")
-    path = Path(spec.removeprefix("feature:") if feature else spec)
+    path = Path(spec)
     if not path.exists():
         raise FileNotFoundError(
             f"SSM not found: {path} (a model path, or layers:L for a layer-selected SSM)"

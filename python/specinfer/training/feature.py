@@ -25,12 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from specinfer.layers import ACTIVATIONS
 from specinfer.models.feature_head import FeatureHead
 from specinfer.training.distill import TrainSettings, distill
 from specinfer.training.export import export_student
 from specinfer.training.scoring import completion_logits
-from specinfer.training.student import _rms_norm, _rotate
+from specinfer.training.student import _rms_norm, train_layer
 
 UNROLL = 3  # passes trained (and depths evaluated)
 # Smooth L1 on features, beside the KL on tokens (weight 1): a light anchor. The unrolled
@@ -79,45 +78,40 @@ def unrolled_forward(head: FeatureHead, ids: torch.Tensor, features: torch.Tenso
     outs, past = [], [[] for _ in head.model.layers]  # per layer: (k, v) of each pass
     for j in range(passes):
         h = F.linear(torch.cat([embedded, before], -1), head.fc.weight, head.fc.bias)
+        # Pass j's token at slot s sits at depth j below a root at s - j: RoPE position s.
         for layer, kv in zip(head.model.layers, past):
-            h = _layer(head, layer, h, kv, j)
+            h = train_layer(head, layer, h, _draft_attention(kv, j))
         out = _rms_norm(h, head.model.norm)
         outs.append(out)
         before = torch.cat([out.new_zeros(B, 1, H), out[:, :-1]], dim=1)
     return outs
 
 
-def _layer(head, layer, h, past: list, j: int) -> torch.Tensor:
-    cfg, rotary = head.config, head.rotary
-    B, T, _ = h.shape
-    attn = layer.self_attn
-    x = _rms_norm(h, layer.input_layernorm)
-    qkv = F.linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias).view(B, T, -1, cfg.head_dim)
-    q, k, v = qkv.split_with_sizes(attn.heads, dim=2)
-    # Pass j's token at slot s sits at depth j below a root at s - j: RoPE position s.
-    cos, sin = rotary.cos[:T, None, :], rotary.sin[:T, None, :]
-    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-    past.append((k, v))
-    group = q.shape[2] // k.shape[2]
-    q = q.transpose(1, 2) / math.sqrt(cfg.head_dim)  # [B, Hq, T, D]
-    k0, v0 = (t.repeat_interleave(group, 2).transpose(1, 2) for t in past[0])
-    s = torch.arange(T)
-    scores = [(q @ k0.transpose(-1, -2)).masked_fill(s[None, :] > s[:, None] - j, -math.inf)]
-    values = []
-    for i in range(1, j + 1):  # the draft ancestors: pass i at slot s - j + i
-        ki, vi = (_shift(t, j - i).repeat_interleave(group, 2).transpose(1, 2) for t in past[i])
-        scores.append((q * ki).sum(-1, keepdim=True).masked_fill((s < j - i)[:, None], -math.inf))
-        values.append(vi)
-    p = torch.softmax(torch.cat(scores, -1), -1)
-    out = p[..., :T] @ v0
-    for i, vi in enumerate(values):
-        out = out + p[..., T + i : T + i + 1] * vi
-    h = h + F.linear(out.transpose(1, 2).reshape(B, T, -1), attn.o_proj.weight, attn.o_proj.bias)
-    x = _rms_norm(h, layer.post_attention_layernorm)
-    mlp = layer.mlp
-    gate, up = F.linear(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias).chunk(2, dim=-1)
-    return h + F.linear(ACTIVATIONS[cfg.activation](gate) * up, mlp.down_proj.weight,
-                        mlp.down_proj.bias)  # fmt: skip
+def _draft_attention(past: list, j: int):
+    """Pass j's attention (see the module doc); `past` collects each pass's keys and values."""
+
+    def attend(q, k, v):
+        past.append((k, v))
+        T, group = q.shape[1], q.shape[2] // k.shape[2]
+        q = q.transpose(1, 2) / math.sqrt(q.shape[-1])  # [B, Hq, T, D]
+        k0, v0 = (t.repeat_interleave(group, 2).transpose(1, 2) for t in past[0])
+        s = torch.arange(T)
+        scores = [(q @ k0.transpose(-1, -2)).masked_fill(s[None, :] > s[:, None] - j, -math.inf)]
+        values = []
+        for i in range(1, j + 1):  # the draft ancestors: pass i at slot s - j + i
+            ki, vi = (_shift(t, j - i).repeat_interleave(group, 2).transpose(1, 2)
+                      for t in past[i])  # fmt: skip
+            scores.append(
+                (q * ki).sum(-1, keepdim=True).masked_fill((s < j - i)[:, None], -math.inf)
+            )
+            values.append(vi)
+        p = torch.softmax(torch.cat(scores, -1), -1)
+        out = p[..., :T] @ v0
+        for i, vi in enumerate(values):
+            out = out + p[..., T + i : T + i + 1] * vi
+        return out.transpose(1, 2)
+
+    return attend
 
 
 def _shift(t: torch.Tensor, n: int) -> torch.Tensor:

@@ -86,29 +86,36 @@ def train_forward(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """Hidden states [B, T, H] of a causal forward over right-padded ids from position 0, in
     differentiable torch ops (the inference kernels have no backward); same math as
     `LlamaForCausalLM.forward`."""
-    cfg = model.config
-    B, T = ids.shape
-    cos = model.rotary.cos[:T, None, :]
-    sin = model.rotary.sin[:T, None, :]
-    act = ACTIVATIONS[cfg.activation]
     h = F.embedding(ids, model.model.embed_tokens.weight)
     for layer in model.model.layers:
-        attn = layer.self_attn
-        x = _rms_norm(h, layer.input_layernorm)
-        qkv = F.linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias).view(B, T, -1, cfg.head_dim)
-        q, k, v = qkv.split_with_sizes(attn.heads, dim=2)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
-        )
-        h = h + F.linear(
-            out.transpose(1, 2).reshape(B, T, -1), attn.o_proj.weight, attn.o_proj.bias
-        )
-        x = _rms_norm(h, layer.post_attention_layernorm)
-        mlp = layer.mlp
-        gate, up = F.linear(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias).chunk(2, dim=-1)
-        h = h + F.linear(act(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+        h = train_layer(model, layer, h, _causal)
     return _rms_norm(h, model.model.norm)
+
+
+def train_layer(model: nn.Module, layer: nn.Module, h: torch.Tensor, attend) -> torch.Tensor:
+    """One decoder layer over h [B, T, H] (slot s at RoPE position s), in differentiable ops;
+    attend(q, k, v) ([B, T, heads, D] each, rotated) gives the attention output [B, T, Hq, D]."""
+    cfg = model.config
+    B, T, _ = h.shape
+    cos, sin = model.rotary.cos[:T, None, :], model.rotary.sin[:T, None, :]
+    attn = layer.self_attn
+    x = _rms_norm(h, layer.input_layernorm)
+    qkv = F.linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias).view(B, T, -1, cfg.head_dim)
+    q, k, v = qkv.split_with_sizes(attn.heads, dim=2)
+    out = attend(_rotate(q, cos, sin), _rotate(k, cos, sin), v)
+    h = h + F.linear(out.reshape(B, T, -1), attn.o_proj.weight, attn.o_proj.bias)
+    x = _rms_norm(h, layer.post_attention_layernorm)
+    mlp = layer.mlp
+    gate, up = F.linear(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias).chunk(2, dim=-1)
+    act = ACTIVATIONS[cfg.activation]
+    return h + F.linear(act(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+
+
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+    )
+    return out.transpose(1, 2)
 
 
 def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
