@@ -115,8 +115,18 @@ def test_dsi_sampling_matches_the_incremental_distribution(tiny_pair, exact, tre
     with Engine(target, dtype="float32", ssm=other, tree=tree, mode="dsi", target_servers=2,
                 lookahead=2) as engine:  # fmt: skip
         counts = _sample_first3(engine, n=DSI_SAMPLES)
-    stat, p = _chi_squared_p(counts, exact, DSI_SAMPLES)
-    print(f"\nDSI sampling ({tree}): chi2 = {stat:.1f}, p = {p:.3f}")
+        stat, p = _chi_squared_p(counts, exact, DSI_SAMPLES)
+        print(f"\nDSI sampling ({tree}): chi2 = {stat:.1f}, p = {p:.3f}")
+        if p <= 0.01:
+            # Unlike the tree tests' seeded samples, DSI's depend on timing (which drafts a
+            # target row meets), so a run is not reproducible and a fair sampler fails 1% of
+            # runs by chance. A second sample decides on the pooled counts: a real bias only
+            # grows more significant with more samples, a fluke washes out. (Unseeded: the
+            # same seeds would repeat much of the first sample.)
+            for key, n in _sample_first3(engine, n=DSI_SAMPLES, seeded=False).items():
+                counts[key] = counts.get(key, 0) + n
+            stat, p = _chi_squared_p(counts, exact, 2 * DSI_SAMPLES)
+            print(f"pooled with a second sample: chi2 = {stat:.1f}, p = {p:.3f}")
     assert p > 0.01, f"chi2 = {stat:.1f}, p = {p:.2e}"
 
 

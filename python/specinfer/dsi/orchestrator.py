@@ -40,6 +40,7 @@ import torch
 from specinfer import verify
 from specinfer.dsi.servers import DSIError, TargetPool, Task, common_prefix
 from specinfer.dsi.sim import min_lookahead
+from specinfer.sampling import make_generator
 from specinfer.tree import TokenTree
 
 ANSWER_TIMEOUT = 300.0  # seconds without any server answering before the run is an error
@@ -94,6 +95,11 @@ class Orchestrator:
         self.wake, self._waker = socket.socketpair()  # the drafter wakes the serving thread
         now = time.perf_counter()
         self.idle_since = {i: now for i in self.pool.alive}
+        # The drafter thread samples with the request's generator; verification gets its own,
+        # split from it before that thread starts, so no generator is shared by two threads.
+        gen = seq.generator
+        seed = int(torch.randint(0, 2**62, (1,), generator=gen, device=gen.device))
+        self.verify_generator = make_generator(seed, gen.device)
         tokens = seq.prompt_ids + seq.output_ids
         self.fed: list[int] = []  # what the drafter has consumed
         if self.drafter:
@@ -344,7 +350,7 @@ class Orchestrator:
         p = torch.from_numpy(np.ascontiguousarray(row))
         probs = p.expand(len(kids) + 1, -1).contiguous()  # children's rows are never read here
         q = torch.stack(tree.q_rows) if tree.q_rows else None
-        gen = self.seq.generator
+        gen = self.verify_generator
         seed = int(torch.randint(0, 2**62, (1,), generator=gen, device=gen.device))
         path, token = verify.verify_stochastic(
             [-1] + [0] * len(kids), [tree.tokens[f]] + [tree.tokens[c] for c in kids], probs,
