@@ -20,6 +20,7 @@ from specinfer.dsi.servers import DSIError, TargetPool
 from specinfer.ngram import NgramConfig, NgramDrafter
 from specinfer.tree import TreeConfig
 from test_speculative import (  # noqa: F401
+    PARAMS,
     PROMPT,
     _chi_squared_p,
     _sample_first3,
@@ -127,6 +128,39 @@ def test_dsi_sampling_matches_the_incremental_distribution(tiny_pair, exact, tre
                 counts[key] = counts.get(key, 0) + n
             stat, p = _chi_squared_p(counts, exact, 2 * DSI_SAMPLES)
             print(f"pooled with a second sample: chi2 = {stat:.1f}, p = {p:.3f}")
+    assert p > 0.01, f"chi2 = {stat:.1f}, p = {p:.2e}"
+
+
+REGIME_SAMPLES = 12_000
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draft_s", [None, 0.02], ids=["drafts met", "drafter behind"])
+def test_dsi_sampling_is_exact_in_each_timing_regime(tiny_pair, exact, draft_s):  # noqa: F811
+    """The fast test's sample mixes two regimes that timing picks: a target row that meets the
+    drafter's children (speculative sampling) and one that does not (plain sampling). Here each
+    is forced and tested alone with more samples: a drafter padded to 20 ms is behind every
+    answer of the tiny target, so no row meets a draft."""
+    target, other = tiny_pair
+    engine = Engine(target, dtype="float32", ssm=other, tree=TreeConfig((2,), sample_children=True),
+                    adaptive_tree=False)  # fmt: skip
+    pool = TargetPool(server_spec(engine), 2)
+    counts, tested = {}, 0
+    try:
+        mode = DSIMode(engine, pool, lookahead=2, draft_s=draft_s)
+        for s in range(REGIME_SAMPLES):
+            params = SamplingParams(max_tokens=3, seed=s, ignore_eos=True, **PARAMS)
+            seq = engine.make_sequence(PROMPT, params)
+            engine.add_sequence(seq)
+            mode.step(engine)
+            key = tuple(seq.output_ids)
+            counts[key] = counts.get(key, 0) + 1
+            tested += seq.metrics["dsi"]["tested"]
+    finally:
+        pool.close()
+    assert (tested > REGIME_SAMPLES // 10) if draft_s is None else tested == 0, tested
+    stat, p = _chi_squared_p(counts, exact, REGIME_SAMPLES)
+    print(f"\nDSI sampling, {tested} rows met drafts: chi2 = {stat:.1f}, p = {p:.3f}")
     assert p > 0.01, f"chi2 = {stat:.1f}, p = {p:.2e}"
 
 
