@@ -167,6 +167,11 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return gen
 
 
+def draw_seed(generator: torch.Generator) -> int:
+    """A seed drawn from `generator`: for the C++ verifiers, or to split off a generator."""
+    return int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
+
+
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """Draw one token from logits [V] under params."""
     if params.greedy:

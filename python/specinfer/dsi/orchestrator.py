@@ -40,7 +40,7 @@ import torch
 from specinfer import verify
 from specinfer.dsi.servers import DSIError, TargetPool, Task, common_prefix
 from specinfer.dsi.sim import min_lookahead
-from specinfer.sampling import make_generator
+from specinfer.sampling import draw_seed, make_generator
 from specinfer.tree import TokenTree
 
 ANSWER_TIMEOUT = 300.0  # seconds without any server answering before the run is an error
@@ -97,9 +97,7 @@ class Orchestrator:
         self.idle_since = {i: now for i in self.pool.alive}
         # The drafter thread samples with the request's generator; verification gets its own,
         # split from it before that thread starts, so no generator is shared by two threads.
-        gen = seq.generator
-        seed = int(torch.randint(0, 2**62, (1,), generator=gen, device=gen.device))
-        self.verify_generator = make_generator(seed, gen.device)
+        self.verify_generator = make_generator(draw_seed(seq.generator), seq.generator.device)
         tokens = seq.prompt_ids + seq.output_ids
         self.fed: list[int] = []  # what the drafter has consumed
         if self.drafter:
@@ -350,8 +348,7 @@ class Orchestrator:
         p = torch.from_numpy(np.ascontiguousarray(row))
         probs = p.expand(len(kids) + 1, -1).contiguous()  # children's rows are never read here
         q = torch.stack(tree.q_rows) if tree.q_rows else None
-        gen = self.verify_generator
-        seed = int(torch.randint(0, 2**62, (1,), generator=gen, device=gen.device))
+        seed = draw_seed(self.verify_generator)
         path, token = verify.verify_stochastic(
             [-1] + [0] * len(kids), [tree.tokens[f]] + [tree.tokens[c] for c in kids], probs,
             ([0] * len(props), [local[c] for c, _ in props], [q for _, q in props]), q, seed)  # fmt: skip

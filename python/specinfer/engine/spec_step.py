@@ -15,7 +15,7 @@ from specinfer import verify
 from specinfer.budget import SEEDED_DEPTH, must_draft
 from specinfer.engine.model_runner import ModelRunner
 from specinfer.engine.sequence import Sequence
-from specinfer.sampling import next_token, probabilities
+from specinfer.sampling import draw_seed, next_token, probabilities
 from specinfer.tree import TokenTree
 
 
@@ -111,8 +111,7 @@ def verify_tree(seq: Sequence, tree: TokenTree, logits: torch.Tensor,
     if seq.params.greedy:
         return verify.verify_greedy(tree.parents, tree.tokens, logits.argmax(-1))
     p = probabilities(logits, seq.params.temperature, seq.params.top_k, seq.params.top_p)
-    gen = seq.generator
-    seed = int(torch.randint(0, 2**62, (1,), generator=gen, device=gen.device))
+    seed = draw_seed(seq.generator)
     if verifier == "naive":
         return verify.verify_naive(tree.parents, tree.tokens, p, seed)
     q = torch.stack(tree.q_rows) if tree.q_rows else None
