@@ -281,3 +281,16 @@ def test_rates_are_learned_per_rank_among_siblings():
     tree.propose(0, 1, -1, 0)
     tree.propose(0, 2, -1, 0)
     assert budget.values(tree) == pytest.approx([1.0, budget.rate(0, 1, 0), budget.rate(0, 1, 1)])
+
+
+def test_a_refused_retry_backs_off_until_the_batch_shrinks():
+    """At 16 requests a stopped drafter's retry is refused on paper; the refusal is not priced
+    again at every step (it backs off like a failed retry), but a smaller batch asks at once."""
+    budget = RowCosts()
+    budget.rest, budget.drafting, budget.curve = 0.001, 0.002, [0.5, 0.6]
+    budget._idle[0] = PATIENCE
+    asked = []
+    budget._could_pay = lambda batch: asked.append(batch) or batch == 1
+    assert not any(0 in budget.drafts(1, 16) for _ in range(60))
+    assert 4 <= len(asked) <= 6  # after 2, 4, 8, 16, 32 skipped steps: not 60 times
+    assert budget.drafts(1, 1) == {0}  # the batch shrank: asked now, and it could pay

@@ -22,7 +22,9 @@ batches on a CPU) a step becomes plain decoding by itself.
 Drafting that only feeds the cut is time lost, so a drafter whose every node the cut dropped in
 its last PATIENCE steps stops drafting for the requests that may be cut (`drafts`); it drafts
 again after 2, then 4, ... 64 skipped steps, and resumes for good once the cut keeps a node of
-it (the text became predictable, the batch shrank). The cut prices a step with the drafting
+it (the text became predictable, the batch shrank). A retry that could not pay at the batch
+size by the learned costs is refused without drafting and backs off the same way, unless the
+batch shrinks. The cut prices a step with the drafting
 already done (it is spent whatever is kept); whether drafting pays at all is the step's
 expected tokens per second against plain decoding's, which drafts nothing: where plain decoding
 would have been faster, the step counts as one with every node cut for all its drafters. And
@@ -72,6 +74,9 @@ class TreeBudget:
         self._idle: dict[int, int] = {}  # drafter -> its last drafted steps with no node kept
         self._skipped: dict[int, int] = {}  # drafter -> steps skipped since it last drafted
         self._explore: dict[int, int] = {}  # drafter -> skipped steps before it drafts again
+        # Drafter -> the batch size at which its retry was last refused (`_could_pay`): a
+        # smaller batch asks again at once, without waiting out the back-off.
+        self._refused: dict[int, int] = {}
         # Drafters drafting again this step after skipping some: their drafting time includes
         # catching up with what they skipped, so it does not say what their drafting costs.
         self._resumed: set[int] = set()
@@ -190,13 +195,16 @@ class TreeBudget:
         for i in range(drafters):
             if self._idle.get(i, 0) >= PATIENCE:
                 self._skipped[i] = self._skipped.get(i, 0) + 1
-                if self._skipped[i] < self._explore.get(i, EXPLORE[0]):
+                shrank = batch < self._refused.get(i, 0)  # since its trees last could not pay
+                if not shrank and self._skipped[i] < self._explore.get(i, EXPLORE[0]):
                     continue
                 if could_pay is None:
                     could_pay = self._could_pay(batch)
-                if not could_pay:
-                    continue
                 self._explore[i] = min(2 * self._explore.get(i, EXPLORE[0]), EXPLORE[1])
+                if not could_pay:  # a retry refused on paper backs off like one that failed
+                    self._refused[i], self._skipped[i] = batch, 0
+                    continue
+                self._refused.pop(i, None)
                 self._resumed.add(i)
             self._skipped[i] = 0
             run.add(i)
