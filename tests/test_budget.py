@@ -294,3 +294,23 @@ def test_a_refused_retry_backs_off_until_the_batch_shrinks():
     assert not any(0 in budget.drafts(1, 16) for _ in range(60))
     assert 4 <= len(asked) <= 6  # after 2, 4, 8, 16, 32 skipped steps: not 60 times
     assert budget.drafts(1, 1) == {0}  # the batch shrank: asked now, and it could pay
+
+
+def test_a_width_priced_out_by_one_slow_timing_is_tried_again():
+    """Width 2 once timed in a slow moment (34 ms, against 22 ms really) looks unprofitable for
+    a node accepted half the time, so it is never chosen, never timed again: its price leans
+    towards the plain step's as plain steps go by, until it is tried and re-timed."""
+    budget = TreeBudget()
+    tree = _chain([1])
+    budget.observe([tree] * 50, [[0, 1]] * 25 + [[0]] * 25)  # accepted half the time
+    for width, seconds in ((1, 0.020), (1, 0.020), (2, 0.034), (2, 0.034)):
+        budget.time_step(1, width, seconds, 0.001)  # the first of each shape is not counted
+    assert len(budget.choose([tree], GREEDY)[0]) == 1  # 1.5 tokens in 35 ms < 1 in 21 ms
+    plain_steps = 0
+    while len(budget.choose([tree], GREEDY)[0]) == 1:
+        budget.time_step(1, 1, 0.020, 0.001)
+        plain_steps += 1
+        assert plain_steps < 100
+    assert plain_steps > 10  # not at once: a real price is not forgotten in a few steps
+    budget.time_step(1, 2, 0.022, 0.001)  # tried: it costs 22 ms, and is chosen from now on
+    assert len(budget.choose([tree], GREEDY)[0]) == 2
