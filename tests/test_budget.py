@@ -314,3 +314,16 @@ def test_a_width_priced_out_by_one_slow_timing_is_tried_again():
     assert plain_steps > 10  # not at once: a real price is not forgotten in a few steps
     budget.time_step(1, 2, 0.022, 0.001)  # tried: it costs 22 ms, and is chosen from now on
     assert len(budget.choose([tree], GREEDY)[0]) == 2
+
+
+def test_only_a_near_row_count_makes_a_stale_price_lean():
+    """A stale price leans towards the next smaller count's only if that count has at least half
+    as many rows: 176 rows (a whole tree for 16 requests) is not priced like 39."""
+    budget = TreeBudget()
+    budget.cost = {16: 0.080, 24: 0.120, 39: 0.140, 176: 0.750}
+    budget._seen.add((16, 1))
+    for _ in range(300):
+        budget.time_step(16, 1, 0.080, 0.001)
+    assert budget.cost[176] == 0.750
+    assert budget.cost[24] == pytest.approx(0.080, abs=3e-3)  # 24 <= 2 x 16: leans to 80 ms
+    assert budget.cost[39] < 0.090  # 39 > 2 x 16, but 39 <= 2 x 24: it follows 24

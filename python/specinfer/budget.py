@@ -52,10 +52,12 @@ from specinfer.tree import TokenTree
 PRIOR = 2.0  # pseudo-counts pulling a depth's rate towards the depth above (or 0.5 at depth 1)
 DECAY = 0.98  # weight of the past per observed step: rates follow the text being generated
 SMOOTH = 0.25  # weight of the newest timing of a width
-# Per step, what a row count not timed that step costs above the next smaller timed count shrinks
-# by this factor: a timing taken in a slow moment (another process, a cold cache) that priced its
-# width out would otherwise never be taken again, and never corrected. So an unused width is
-# tried again now and then (about every 50 steps where it costs half as much again).
+# Per step, what a row count not timed that step costs above the next smaller count shrinks by
+# this factor, if that count has at least half as many rows: a timing taken in a slow moment
+# (another process, a cold cache) that priced its width out would otherwise never be taken again,
+# and never corrected. So an unused width is tried again now and then (about every 50 steps
+# where it costs half as much again). Only towards a near count: the next smaller of a rare
+# wide forward (a whole tree for 16 requests) says little of its price.
 STALE = 0.99
 PATIENCE = 4  # drafted steps with every node cut before a drafter stops drafting
 EXPLORE = (2, 64)  # skipped steps before a stopped drafter drafts again: first, and at most
@@ -335,11 +337,11 @@ class TreeBudget:
             self.cost[rows] = target_s
         else:  # a stall (another process, the OS) must not price a width out for good
             self.cost[rows] = (1 - SMOOTH) * old + SMOOTH * min(target_s, 2 * old)
-        floor = None  # the most a count below costs (a forward of more rows costs at least that)
+        floor, below = 0.0, None  # the most a smaller count costs; the next smaller count
         for r in sorted(self.cost):
-            if r != rows and floor is not None and self.cost[r] > floor:
+            if r != rows and below is not None and r <= 2 * below and self.cost[r] > floor:
                 self.cost[r] = floor + STALE * (self.cost[r] - floor)
-            floor = max(floor or 0.0, self.cost[r])
+            floor, below = max(floor, self.cost[r]), r
 
 
 def _ranks(tree: TokenTree) -> list[int]:
