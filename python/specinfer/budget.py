@@ -24,10 +24,10 @@ its last PATIENCE steps stops drafting for the requests that may be cut (`drafts
 again after 2, then 4, ... 64 skipped steps, and resumes for good once the cut keeps a node of
 it (the text became predictable, the batch shrank). A retry that could not pay at the batch
 size by the learned costs is refused without drafting and backs off the same way, unless the
-batch shrinks. The cut prices a step with the drafting
-already done (it is spent whatever is kept); whether drafting pays at all is the step's
-expected tokens per second against plain decoding's, which drafts nothing: where plain decoding
-would have been faster, the step counts as one with every node cut for all its drafters. And
+batch shrinks. The cut prices a step with the drafting already done (it is spent whatever is
+kept); whether drafting pays at all is the step's expected tokens per second against plain
+decoding's, which drafts nothing: where plain decoding would have been faster, the step counts
+as one with every node cut for all its drafters. And
 each drafter must earn its own drafting time: the nodes only it proposed must be worth at least
 what its drafting time yields at the step's rate, else it counts as cut too (a cheap drafter's
 accepted nodes, prompt lookup's, must not carry an SSM that costs more than it adds). When all
@@ -337,9 +337,14 @@ class TreeBudget:
             self.cost[rows] = target_s
         else:  # a stall (another process, the OS) must not price a width out for good
             self.cost[rows] = (1 - SMOOTH) * old + SMOOTH * min(target_s, 2 * old)
-        floor, below = 0.0, None  # the most a smaller count costs; the next smaller count
+        self._lean_stale_prices(rows)
+
+    def _lean_stale_prices(self, timed: int) -> None:
+        """Every row count but the one just `timed` leans towards the most a smaller count costs,
+        if the next smaller count has at least half as many rows (see STALE)."""
+        floor, below = 0.0, None
         for r in sorted(self.cost):
-            if r != rows and below is not None and r <= 2 * below and self.cost[r] > floor:
+            if r != timed and below is not None and r <= 2 * below and self.cost[r] > floor:
                 self.cost[r] = floor + STALE * (self.cost[r] - floor)
             floor, below = max(floor, self.cost[r]), r
 
