@@ -5,8 +5,10 @@ layers streamed from disk each forward (offload="disk"), incremental and specula
                                        [--device cpu] [--dtype bfloat16] [--threads 2]
                                        [--out results/offload.json]
 
-Each configuration decodes the same held-out chat prompts one at a time (batch 1, greedy) after
-one warm-up prompt: resident and disk-offloaded, incremental, speculative with the default
+Every configuration has its own engine, all open at once (each warmed up on one short prompt);
+the held-out chat prompts go one at a time (batch 1, greedy) through every configuration in
+turn, the order rotated each prompt, so the drift of a shared disk's speed hits all alike:
+resident and disk-offloaded, incremental, speculative with the default
 drafting (the shipped SSM + prompt lookup, tree sized by the cost model) and with each --trees
 config (whole trees). Bytes streamed per generated token are the layer bytes of every target
 forward (prefill included) over the tokens generated; the disk's read bandwidth is measured by
@@ -23,9 +25,11 @@ import os
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_spec import load_prompts  # noqa: E402
@@ -50,42 +54,37 @@ def disk_bandwidth(path: Path, stride: int, seconds: float = 3.0) -> float:
     return done * stride / elapsed
 
 
-def run(args, name: str, prompts: list, **kwargs) -> tuple[dict, tuple[Path, int] | None]:
-    """The configuration's row, and its layer file with one layer's bytes (disk offload)."""
-    params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
-    with Engine(args.model, dtype=args.dtype, device=args.device, threads=args.threads,
-                max_batch_size=1, **kwargs) as engine:  # fmt: skip
-        engine.generate(prompts[0], params)  # warm-up: graphs, costs, the layer file
-        streamer = engine.runner.streamer
-        read0 = (streamer.bytes, streamer.read_s) if streamer else (0, 0.0)
-        start = time.perf_counter()
-        outs = [engine.generate(p, params)[0] for p in prompts]
-        wall = time.perf_counter() - start
-        layer_file = (streamer.path, streamer.layout.stride) if streamer and streamer.path else None
-        reads = (streamer.bytes - read0[0], streamer.read_s - read0[1]) if streamer else (0, 0)
-        layer_bytes = streamer.layer_bytes if streamer else 0
+def open_engine(args, stack: ExitStack, kwargs: dict, warm_up: str) -> Engine:
+    """An engine for one configuration, warmed up (graphs, costs, the layer file)."""
+    engine = stack.enter_context(Engine(args.model, dtype=args.dtype, device=args.device,
+                                        threads=args.threads, max_batch_size=1, **kwargs))  # fmt: skip
+    engine.generate(warm_up, SamplingParams(max_tokens=args.tokens, ignore_eos=True))
+    return engine
+
+
+def row(name: str, kwargs: dict, engine: Engine, outs: list, read0: tuple) -> dict:
+    """The configuration's numbers over its outputs (in prompt order)."""
+    streamer = engine.runner.streamer
+    reads = (streamer.bytes - read0[0], streamer.read_s - read0[1]) if streamer else (0, 0)
     tokens = sum(len(o.token_ids) for o in outs)
     decoded = sum(len(o.token_ids) - 1 for o in outs)
     steps = sum(o.metrics["steps"] for o in outs)
-    row = {
+    return {
         "name": name,
         "offload": kwargs.get("offload"),
         "mode": kwargs.get("mode", "speculative"),
         "tree": kwargs.get("tree"),
         "ms_per_token": 1000 * sum(o.metrics["decode_s"] for o in outs) / decoded,
-        "tokens_per_s": tokens / wall,
         "tokens_per_step": decoded / steps,
         "tree_nodes_per_step": sum(o.metrics["tree_nodes"] for o in outs) / steps,
         "ssm_ms_per_step": 1000 * sum(o.metrics["ssm_s"] for o in outs) / steps,
         "target_ms_per_step": 1000 * sum(o.metrics["target_s"] for o in outs) / steps,
         "weight_bytes_per_token": sum(o.metrics["weight_bytes"] for o in outs) / tokens,
         "stream_wait_ms_per_step": 1000 * sum(o.metrics["stream_wait_s"] for o in outs) / steps,
-        "layer_bytes": layer_bytes,
+        "layer_bytes": streamer.layer_bytes if streamer else 0,
         "reader_bytes_per_s": reads[0] / reads[1] if reads[1] else None,
-        "wall_s": wall,
         "token_ids": [o.token_ids for o in outs],
     }
-    return row, layer_file
 
 
 def draw(result: dict, plt):
@@ -126,6 +125,7 @@ def main() -> None:
     args = ap.parse_args()
     prompts = load_prompts(args.prompts, args.prompts_file, chat=True)
     spec = {"ssm": ["default", "ngram"]}
+    params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     modes = ["cpu", "disk"] if args.device.startswith("cuda") else ["disk"]
     with tempfile.TemporaryDirectory(prefix="specinfer-offload-") as tmp:
         folder = args.offload_dir or tmp
@@ -137,15 +137,32 @@ def main() -> None:
                      (f"{mode} speculative", {**spec, **off})]  # fmt: skip
             plan += [(f"{mode} tree {t}", {**spec, **off, "tree": t, "adaptive_tree": False})
                      for t in args.trees]  # fmt: skip
-        runs, layer_file = [], None
-        for name, kwargs in plan:
-            row, file = run(args, name, prompts, **kwargs)
-            layer_file = layer_file or file
-            runs.append(row)
-            print(f"{name:28s}: {row['ms_per_token']:6.1f} ms/token, {row['tokens_per_step']:.2f} "
-                  f"tokens/step, {row['weight_bytes_per_token'] / 1e6:6.1f} MB/token streamed, "
-                  f"ssm {row['ssm_ms_per_step']:.0f} + target {row['target_ms_per_step']:.0f} "
-                  "ms/step", flush=True)  # fmt: skip
+        with ExitStack() as stack:
+            engines = [open_engine(args, stack, kwargs, prompts[0])
+                       for _, kwargs in tqdm(plan, desc="engines")]  # fmt: skip
+            reads0 = [(e.runner.streamer.bytes, e.runner.streamer.read_s) if e.runner.streamer
+                      else (0, 0.0) for e in engines]  # fmt: skip
+            outs = [[] for _ in plan]
+            # Prompt by prompt through every configuration, the order rotated each prompt: a
+            # shared disk's or CPU's speed drifts by tens of percent over minutes, and this way
+            # the drift hits every configuration alike.
+            for p, prompt in enumerate(tqdm(prompts, desc="prompts")):
+                for c in (p + i for i in range(len(plan))):
+                    c %= len(plan)
+                    outs[c].append(engines[c].generate(prompt, params)[0])
+            runs = [row(name, kwargs, e, o, r0)
+                    for (name, kwargs), e, o, r0 in zip(plan, engines, outs, reads0)]  # fmt: skip
+            files = [e.runner.streamer for e in engines if e.runner.streamer]
+            layer_file = next(((f.path, f.layout.stride) for f in files if f.path), None)
+            for r in runs:
+                mbps = (
+                    f"{r['reader_bytes_per_s'] / 1e6:5.0f}" if r["reader_bytes_per_s"] else "    -"
+                )
+                print(f"{r['name']:28s}: {r['ms_per_token']:6.1f} ms/token, "
+                      f"{r['tokens_per_step']:.2f} tokens/step, "
+                      f"{r['weight_bytes_per_token'] / 1e6:6.1f} MB/token streamed (reader {mbps} "
+                      f"MB/s), ssm {r['ssm_ms_per_step']:.0f} + target "
+                      f"{r['target_ms_per_step']:.0f} ms/step", flush=True)  # fmt: skip
         bandwidth = disk_bandwidth(*layer_file) if layer_file else None
     reference = runs[0]["token_ids"]
     for r in runs:
