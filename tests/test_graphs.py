@@ -69,9 +69,12 @@ def test_replayed_forwards_equal_eager_ones(tmp_path, name):
     assert len(runner._graphs) == 4 and runner.replays == 13 - 4
 
 
-def test_a_forward_with_torch_ops_is_refused_and_runs_eagerly(tmp_path):
+def test_a_forward_with_torch_ops_is_refused_and_runs_eagerly(tmp_path, monkeypatch):
     _, model = build_pair("llama-gqa", tmp_path, dtype=torch.float32)  # fp32 linear is torch's
+    assert not model.graph_safe  # so a runner would not try; this one is made to
+    monkeypatch.setattr(type(model), "graph_safe", property(lambda self: True))
     runner = GraphRunner(model)
+    assert runner.enabled
     with torch.inference_mode():
         kv_eager, kv_graph = model.make_kv_cache(1, 64), model.make_kv_cache(1, 64)
         for ids, positions, rows, prefix, mask in _steps(1, 64):

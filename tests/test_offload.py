@@ -65,6 +65,23 @@ def test_bytes_streamed_are_counted_per_request_and_per_forward(tiny_pair, tmp_p
     assert streamer.read_s > 0
 
 
+@pytest.mark.parametrize("resident", [0, 1], ids=["3 streamed", "2 streamed"])
+def test_op_graphs_replay_over_streamed_layers(tiny_pair, tmp_path, resident):  # noqa: F811
+    # bfloat16 runs compiled ops only, so forwards are recorded (in segments split where a
+    # streamed layer is brought in) and replayed; an odd count of streamed layers puts the last
+    # and the first in one buffer, so the first is read only when the next forward needs it.
+    target, other = tiny_pair
+    kwargs = dict(SPEC, ssm=[other, "ngram"], dtype="bfloat16")
+    resident_ids = _run(target, GREEDY, **kwargs)
+    with Engine(target, offload="disk", offload_dir=tmp_path, resident_layers=resident,
+                **kwargs) as engine:  # fmt: skip
+        streamer, graphs = engine.runner.streamer, engine.runner.graphs
+        before, forwards = streamer.bytes, engine.runner.forwards
+        assert _ids(engine.generate(PROMPTS, GREEDY)) == resident_ids
+        assert graphs.replays > 0 and not graphs._refused
+        assert streamer.bytes - before == (engine.runner.forwards - forwards) * streamer.layer_bytes
+
+
 def test_resident_layers_stay_and_the_rest_stream(tiny_pair, tmp_path):  # noqa: F811
     target, _ = tiny_pair
     resident = _run(target, GREEDY, dtype="float32")

@@ -35,23 +35,38 @@ MAX_KEPT_ROWS = 512
 
 
 class _Recorded:
-    """One recorded forward: its input buffers, its output and the op graph between them."""
+    """One recorded forward: its input buffers, its output and the op graph between them; for
+    a model whose layers are streamed (offload.py), one graph per stretch between two streamed
+    layers, each replayed after its layer is brought in."""
 
     def __init__(self, model, kv, inputs: list[torch.Tensor]):
         self.inputs = [t.clone() for t in inputs]
         self.rows = inputs[0].shape[0] * inputs[0].shape[1]
-        self.graph = ops._C.OpGraph()
+        self.streamer = getattr(model, "layer_streamer", None)
+        self.segments = [(None, ops._C.OpGraph())]  # (streamed layer brought in first, graph)
         h, positions, cache_rows, prefix_lens, slots, tree_mask = self.inputs
-        self.graph.begin()
+        self.segments[0][1].begin()
+        if self.streamer is not None:
+            self.streamer.split = self._split
         try:
             self.output = model.decode(h, positions, kv, cache_rows, prefix_lens, slots, tree_mask)
         finally:
-            self.graph.end()
+            self.segments[-1][1].end()
+            if self.streamer is not None:
+                self.streamer.split = None
+
+    def _split(self, layer: int) -> None:
+        self.segments[-1][1].end()
+        self.segments.append((layer, ops._C.OpGraph()))
+        self.segments[-1][1].begin()
 
     def replay(self, inputs: list[torch.Tensor]) -> torch.Tensor:
         for buffer, value in zip(self.inputs, inputs):
             buffer.copy_(value)
-        self.graph.replay()
+        for layer, graph in self.segments:
+            if layer is not None:
+                self.streamer.bring_in(layer)
+            graph.replay()
         return self.output.clone()  # the next replay overwrites the buffer
 
 
@@ -102,6 +117,8 @@ class GraphRunner:
             graph = _Recorded(self.model, kv, inputs)
         except ops.RecordingRefused:
             self._refused.add(key)
+            if getattr(self.model, "layer_streamer", None) is not None:
+                self.enabled = False  # each try streams layers again (offload.py): stop trying
             h, positions, cache_rows, prefix_lens, slots, tree_mask = inputs
             return self.model.decode(h, positions, kv, cache_rows, prefix_lens, slots, tree_mask)
         self._graphs[key] = graph

@@ -12,9 +12,10 @@ buffering). A token tree verified in one such pass yields several tokens per wei
 
 Embeddings, the final norm, the LM head, the KV cache and the SSMs stay resident, and so do the
 first `resident` layers (a model that half fits; a layer-selected SSM's layers). Each streamed
-layer's parameters are views of the buffer its turn came in; a forward pre-hook waits for its
-bytes and starts the next layer's. So op graphs (graphs.py) are off for an offloaded model: a
-replay would skip the hooks.
+layer's parameters are views of one of the two buffers, always the same one for a layer (the
+k-th streamed layer's is buffer k % 2); a forward pre-hook waits for its bytes and starts the
+next layer's. So an op graph (graphs.py) recorded over the layers stays valid: it is recorded
+in segments split at these hooks (`split`), and a replay calls `bring_in` before each segment.
 """
 
 from __future__ import annotations
@@ -245,14 +246,16 @@ class LayerStreamer:
                        for i, layer in layers.items()}  # fmt: skip
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="specinfer-offload")
         self.pending = None  # (streamed layer k, slot, future)
-        self.last_slot = 1
+        # Called with a layer's index once its bytes are in, before it runs: a graph that
+        # records splits there (graphs.py), so its replay brings the layer in at that point.
+        self.split = None
         self.bytes = 0  # of the layers the forwards have run so far
         self.read_s = 0.0  # the reader's time reading (and copying)
         self.wait_s = 0.0  # the forward's time waiting for a layer's bytes
         self._closers = list(closers)
         for i, layer in layers.items():
             self._bind(i, 0)  # the originals' memory goes; shapes and dtypes stay readable
-            layer.register_forward_pre_hook(lambda module, args, i=i: self._before(i))
+            layer.register_forward_pre_hook(lambda module, args, i=i: self.bring_in(i))
 
     @property
     def layer_bytes(self) -> int:
@@ -278,23 +281,30 @@ class LayerStreamer:
             self.free[slot].record(torch.cuda.current_stream(self.device))
         self.pending = (k, slot, self.pool.submit(self._load, k, slot))
 
-    def _before(self, i: int) -> None:
-        """Before layer i runs: its bytes are in, bound to its parameters; the next layer's start
-        coming into the other buffer (after the last layer: the first, for the next forward)."""
+    def bring_in(self, i: int) -> None:
+        """Before layer i runs: its bytes are in its buffer, bound to its parameters; the next
+        layer's read started into the other buffer (after the last layer: the first, for the
+        next forward, unless an odd count of layers puts both in one buffer)."""
         k = self.pos[i]
+        slot = k % 2
         if self.pending is None or self.pending[0] != k:  # first use, or a forward broke off
             self._drain()
-            self._start(k, 1 - self.last_slot)
-        _, slot, future = self.pending
+            self._start(k, slot)
+        _, _, future = self.pending
         start = time.perf_counter()
         future.result()
         self.wait_s += time.perf_counter() - start
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(self.ready[slot])
         self._bind(i, slot)
-        self.last_slot = slot
         self.bytes += self.layout.stride
-        self._start((k + 1) % len(self.order), 1 - slot)
+        following = (k + 1) % len(self.order)
+        if following % 2 != slot:
+            self._start(following, following % 2)
+        else:
+            self.pending = None
+        if self.split is not None:
+            self.split(i)
 
     def _drain(self) -> None:
         if self.pending is not None:
@@ -329,7 +339,7 @@ def check_mode(mode, device: torch.device) -> None:
 def offload_model(model: nn.Module, mode: str, device: torch.device, checkpoint: Path,
                   folder: Path | None = None, resident: int = 0) -> LayerStreamer:  # fmt: skip
     """Stream `model`'s decoder layers from `resident` on (see the module docstring); the
-    model's `layer_streamer` is set, which turns its op graphs off."""
+    model's `layer_streamer` is set, which its op graphs split at (graphs.py)."""
     check_mode(mode, device)
     all_layers = list(model.decoder_layers())
     if (

@@ -123,11 +123,18 @@ FAST_LINEAR_FP32 = os.environ.get("SPECINFER_FAST_LINEAR_FP32", "0") == "1"
 FAST_LINEAR_MAX_ROWS = {torch.bfloat16: 64, torch.float32: 32}  # rows per kernel call
 
 
+def compiled_linear_dtype(dtype: torch.dtype) -> bool:
+    """Whether CPU projections in `dtype` run the compiled kernel (so an OpGraph can hold them)."""
+    return (
+        _C is not None
+        and dtype in FAST_LINEAR_MAX_ROWS
+        and (dtype != torch.float32 or FAST_LINEAR_FP32)
+    )
+
+
 def _use_compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     # Runs for every projection of every step: only cheap tests (no device objects, no generators).
-    if _C is None or not (x.is_cpu and weight.is_cpu):
-        return False
-    if x.dtype not in FAST_LINEAR_MAX_ROWS or (x.dtype == torch.float32 and not FAST_LINEAR_FP32):
+    if not (x.is_cpu and weight.is_cpu and compiled_linear_dtype(x.dtype)):
         return False
     if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
         return False

@@ -166,12 +166,12 @@ class LlamaForCausalLM(nn.Module):
     def decoder_layers(self) -> nn.ModuleList:
         return self.model.layers
 
-    # With SiLU every op of `decode` is a compiled one, so an OpGraph can record it; not with
-    # offloaded layers, whose hooks between layers a replay would skip.
+    # With SiLU every op of `decode` is a compiled one, so an OpGraph can record it (offloaded
+    # layers: in segments, see graphs._Recorded).
     @property
     def graph_safe(self) -> bool:
         return (self.config.activation == "silu" and self.lm_head.tp.size == 1
-                and self.stages == 1 and getattr(self, "layer_streamer", None) is None)  # fmt: skip
+                and self.stages == 1 and ops.compiled_linear_dtype(self.lm_head.weight.dtype))  # fmt: skip
 
     def decode(self, h, positions, kv, cache_rows, prefix_lens, slots, tree_mask) -> torch.Tensor:
         """The layers and the final norm over embedded tokens h [B, T, H] (updated in place);
