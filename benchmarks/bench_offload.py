@@ -5,7 +5,7 @@ layers streamed from disk each forward (offload="disk"), incremental and specula
                                        [--device cpu] [--dtype bfloat16] [--threads 2]
                                        [--out results/offload.json]
 
-Every configuration has its own engine, all open at once (each warmed up on one short prompt);
+Every configuration has its own engine, all open at once (each warmed up on the first prompt);
 the held-out chat prompts go one at a time (batch 1, greedy) through every configuration in
 turn, the order rotated each prompt, so the drift of a shared disk's speed hits all alike:
 resident and disk-offloaded, incremental, speculative with the default
@@ -54,11 +54,11 @@ def disk_bandwidth(path: Path, stride: int, seconds: float = 3.0) -> float:
     return done * stride / elapsed
 
 
-def open_engine(args, stack: ExitStack, kwargs: dict, warm_up: str) -> Engine:
+def open_engine(args, stack: ExitStack, kwargs: dict, warm_up: str, params) -> Engine:
     """An engine for one configuration, warmed up (graphs, costs, the layer file)."""
     engine = stack.enter_context(Engine(args.model, dtype=args.dtype, device=args.device,
                                         threads=args.threads, max_batch_size=1, **kwargs))  # fmt: skip
-    engine.generate(warm_up, SamplingParams(max_tokens=args.tokens, ignore_eos=True))
+    engine.generate(warm_up, params)
     return engine
 
 
@@ -138,7 +138,7 @@ def main() -> None:
             plan += [(f"{mode} tree {t}", {**spec, **off, "tree": t, "adaptive_tree": False})
                      for t in args.trees]  # fmt: skip
         with ExitStack() as stack:
-            engines = [open_engine(args, stack, kwargs, prompts[0])
+            engines = [open_engine(args, stack, kwargs, prompts[0], params)
                        for _, kwargs in tqdm(plan, desc="engines")]  # fmt: skip
             reads0 = [(e.runner.streamer.bytes, e.runner.streamer.read_s) if e.runner.streamer
                       else (0, 0.0) for e in engines]  # fmt: skip
@@ -147,8 +147,8 @@ def main() -> None:
             # shared disk's or CPU's speed drifts by tens of percent over minutes, and this way
             # the drift hits every configuration alike.
             for p, prompt in enumerate(tqdm(prompts, desc="prompts")):
-                for c in (p + i for i in range(len(plan))):
-                    c %= len(plan)
+                for i in range(len(plan)):
+                    c = (p + i) % len(plan)
                     outs[c].append(engines[c].generate(prompt, params)[0])
             runs = [row(name, kwargs, e, o, r0)
                     for (name, kwargs), e, o, r0 in zip(plan, engines, outs, reads0)]  # fmt: skip

@@ -245,7 +245,7 @@ class LayerStreamer:
         self.owners = {i: [_owner(layer, name) for name, *_ in layout.entries]
                        for i, layer in layers.items()}  # fmt: skip
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="specinfer-offload")
-        self.pending = None  # (streamed layer k, slot, future)
+        self.pending = None  # (streamed layer k, future of its read into buffer k % 2)
         # Called with a layer's index once its bytes are in, before it runs: a graph that
         # records splits there (graphs.py), so its replay brings the layer in at that point.
         self.split = None
@@ -276,10 +276,11 @@ class LayerStreamer:
             self.ready[slot].synchronize()  # the host buffer may be refilled after this
         self.read_s += time.perf_counter() - start
 
-    def _start(self, k: int, slot: int) -> None:
+    def _start(self, k: int) -> None:
+        slot = k % 2
         if self.cuda:  # the copy into `slot` waits for the work queued on it so far
             self.free[slot].record(torch.cuda.current_stream(self.device))
-        self.pending = (k, slot, self.pool.submit(self._load, k, slot))
+        self.pending = (k, self.pool.submit(self._load, k, slot))
 
     def bring_in(self, i: int) -> None:
         """Before layer i runs: its bytes are in its buffer, bound to its parameters; the next
@@ -289,8 +290,8 @@ class LayerStreamer:
         slot = k % 2
         if self.pending is None or self.pending[0] != k:  # first use, or a forward broke off
             self._drain()
-            self._start(k, slot)
-        _, _, future = self.pending
+            self._start(k)
+        _, future = self.pending
         start = time.perf_counter()
         future.result()
         self.wait_s += time.perf_counter() - start
@@ -300,7 +301,7 @@ class LayerStreamer:
         self.bytes += self.layout.stride
         following = (k + 1) % len(self.order)
         if following % 2 != slot:
-            self._start(following, following % 2)
+            self._start(following)
         else:
             self.pending = None
         if self.split is not None:
@@ -308,7 +309,7 @@ class LayerStreamer:
 
     def _drain(self) -> None:
         if self.pending is not None:
-            _, _, future = self.pending
+            _, future = self.pending
             self.pending = None
             future.exception()  # a failed prefetch is retried by the layer that needs it
 
