@@ -1,6 +1,11 @@
-"""DSI in real runs: non-SI, SI at its best lookahead and DSI at the lookahead Equation 1 allows,
-all through the same target server processes, on held-out chat prompts (greedy, batch 1), with
-the simulator's prediction (dsi/sim.py, fed the measured latencies and acceptance) beside each.
+"""DSI in real runs: non-SI, SI at its best lookahead, and DSI at the lookahead Equation 1 allows
+and at the one DSI chooses (dsi/mode.py: the simulator fed the measured cost of a forward by its
+rows), all through the same target server processes, on held-out chat prompts (greedy, batch 1),
+with the simulator's prediction (dsi/sim.py, fed the measured row costs, drafter latency and
+acceptance) beside each. A setting runs in two phases: non-SI and SI at every --si-lookaheads
+(which measure a forward at 1 and lookahead + 1 rows, the drafter and its acceptance), then the
+compared rows; within a phase each prompt goes through every configuration in turn (rotated),
+so the machine's drift hits all alike.
 
     python benchmarks/bench_dsi.py [--prompts 8] [--tokens 64] [--sections real emulated failure]
                                    [--target-ms 50] [--fractions 0.1 0.2] [--sp 1 2 3 4 5 6 7]
@@ -11,8 +16,8 @@ Sections:
   prompt lookup) on this machine's cores, SP 1 and 2.
 - emulated: servers that answer the target's recorded greedy tokens after an emulated forward
   of --target-ms, and the real drafter's tokens with its latency padded to each --fractions of
-  the target's: SP swept over --sp at lookahead 1 (the ceil(1/c) plateau) and at Equation 1's
-  lookahead; SI at its best lookahead; non-SI.
+  the target's: SP swept over --sp at lookahead 1 (the ceil(1/c) plateau), at Equation 1's
+  lookahead and at the chosen one; SI at its best lookahead; non-SI.
 - failure: speculation's failure region: a weak drafter (the target's first layer) padded to
   --failure-fraction of the target's latency, where SI is slower than non-SI and DSI is not.
 Per row: ms/token after the first token, requests identical to incremental decoding, the
@@ -35,37 +40,46 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_spec import load_prompts  # noqa: E402
 from results_io import save  # noqa: E402
 from specinfer import Engine, SamplingParams  # noqa: E402
-from specinfer.dsi.mode import DSIMode, server_spec  # noqa: E402
-from specinfer.dsi.orchestrator import choose_lookahead  # noqa: E402
+from specinfer.dsi.mode import DSIMode, choose_lookahead, server_spec  # noqa: E402
 from specinfer.dsi.servers import TargetPool  # noqa: E402
-from specinfer.dsi.sim import draw_correct, dsi, si  # noqa: E402
+from specinfer.dsi.sim import RowCost, draw_correct, dsi, min_lookahead, si  # noqa: E402
 
 HERE = Path(__file__).parent
 SIM_RUNS = 300
 
 
-def measure(engine, mode: DSIMode, prompts, expected, pool, params, emulated: bool) -> dict:
-    """Run every prompt through `mode`; the row's measurements."""
-    total = {}
-    per_token, identical = [], 0
-    for prompt, (ids, tokens) in zip(prompts, expected):
-        if emulated:
-            pool.set_trace(ids + tokens)
-        seq = engine.make_sequence(prompt, params)
-        engine.add_sequence(seq)
-        start = time.perf_counter()
-        mode.step(engine)
-        end = time.perf_counter()
-        n = len(seq.output_ids)
-        per_token.append((end - start - seq.metrics["ttft_s"]) / max(1, n - 1))
-        identical += seq.output_ids == tokens
-        for k, v in seq.metrics["dsi"].items():
-            total[k] = total.get(k, 0) + v
-    tokens = sum(len(t) for _, t in expected)
+def measure(engine, configs: list[dict], prompts, expected, params, emulated: bool) -> list[dict]:
+    """Every configuration ({"mode", "pool", ...}) over every prompt: each prompt goes through
+    all of them in turn, the order rotated from prompt to prompt, so the machine's drift (20-30%
+    within minutes on these VMs) hits every configuration alike. The rows' measurements."""
+    runs = [{"per_token": [], "identical": 0, "total": {}} for _ in configs]
+    for p, (prompt, (ids, tokens)) in enumerate(zip(prompts, expected)):
+        for j in range(len(configs)):
+            c, run = configs[(p + j) % len(configs)], runs[(p + j) % len(configs)]
+            if emulated:
+                c["pool"].set_trace(ids + tokens)
+            seq = engine.make_sequence(prompt, params)
+            engine.add_sequence(seq)
+            start = time.perf_counter()
+            c["mode"].step(engine)
+            elapsed = time.perf_counter() - start - seq.metrics["ttft_s"]
+            run["per_token"].append(elapsed / max(1, len(seq.output_ids) - 1))
+            run["identical"] += seq.output_ids == tokens
+            for k, v in seq.metrics["dsi"].items():
+                run["total"][k] = run["total"].get(k, 0) + v
+    n = sum(len(t) for _, t in expected)
+    return [_row(c, run, len(prompts), n) for c, run in zip(configs, runs)]
+
+
+def _row(config: dict, run: dict, prompts: int, tokens: int) -> dict:
+    total = run["total"]
     forwards = max(1, total["target_forwards"])
     return {
-        "ms_per_token": 1000 * statistics.mean(per_token),
-        "identical": f"{identical}/{len(prompts)}",
+        "kind": config["kind"],
+        "sp": config["sp"],
+        "lookahead": config["lookahead"],
+        "ms_per_token": 1000 * statistics.mean(run["per_token"]),
+        "identical": f"{run['identical']}/{prompts}",
         "target_ms": 1000 * total["compute_s"] / max(1, total["compute_n"]),
         "drafter_ms": 1000 * total["draft_s"] / max(1, total["draft_calls"]),
         "acceptance": total["accepted"] / max(1, total["tested"]),
@@ -80,50 +94,75 @@ def measure(engine, mode: DSIMode, prompts, expected, pool, params, emulated: bo
     }
 
 
-def predict(row: dict, kind: str, tokens: int, sp: int, lookahead: int, rng) -> float:
-    """The simulator's ms/token for the row's measured latencies and acceptance."""
-    t, d, acc = row["target_ms"], max(row["drafter_ms"], 1e-3), row["acceptance"]
+def predict(row: dict, cost: RowCost, drafter_ms: float, acceptance: float, tokens: int,
+            rng) -> float:  # fmt: skip
+    """The simulator's ms/token for the row's configuration, fed the section's measured row
+    costs, drafter latency and acceptance."""
+    kind, sp, lookahead = row["kind"], row["sp"], row["lookahead"]
     if kind == "non-SI":
-        return t
-    runs = []
+        return cost(1)
+    d, runs = max(drafter_ms, 1e-3), []
     for _ in range(SIM_RUNS):
-        correct = draw_correct(tokens, acc, rng)
-        runs.append(si(tokens, t, d, correct, lookahead) if kind == "SI"
-                    else dsi(tokens, t, d, correct, lookahead, sp).latency)  # fmt: skip
+        correct = draw_correct(tokens, acceptance, rng)
+        runs.append(si(tokens, cost, d, correct, lookahead) if kind == "SI"
+                    else dsi(tokens, cost, d, correct, lookahead, sp).latency)  # fmt: skip
     return statistics.mean(runs) / tokens
 
 
 def section(name: str, engine, pools: dict, prompts, expected, params, args, rng,
             emulated: bool, draft_s: float | None, sweep: bool) -> list[dict]:  # fmt: skip
-    """Rows of one setting: non-SI and SI on one server, DSI on each pool."""
-    rows = []
+    """Rows of one setting. First non-SI and SI at each lookahead (they measure the target's
+    forward at 1 and lookahead + 1 rows, the drafter and its acceptance); then, side by side:
+    non-SI, the best SI, and DSI on each pool at Equation 1's lookahead and at the one DSI
+    chooses (mode.choose_lookahead, from those measurements), and at lookahead 1 with `sweep`."""
 
-    def add(kind: str, sp: int, lookahead: int, mode: DSIMode, pool) -> dict:
-        row = measure(engine, mode, prompts, expected, pool, params, emulated)
-        row.update(section=name, kind=kind, sp=sp, lookahead=lookahead)
-        row["predicted_ms_per_token"] = predict(row, kind, args.tokens - 1, sp, lookahead, rng)
+    def config(kind: str, sp: int, lookahead: int) -> dict:
+        pool = pools[sp]
+        mode = DSIMode(engine, pool, lookahead=lookahead, drafter=kind != "non-SI",
+                       overlap=kind == "DSI", draft_s=draft_s)  # fmt: skip
+        return {"kind": kind, "sp": sp, "lookahead": lookahead, "mode": mode, "pool": pool}
+
+    def run(configs: list[dict], phase: str) -> list[dict]:
+        rows = measure(engine, configs, prompts, expected, params, emulated)
+        for row in rows:
+            row.update(section=name, phase=phase)
+        return rows
+
+    calibration = run([config("non-SI", 1, 1)]
+                      + [config("SI", 1, k) for k in args.si_lookaheads], "calibration")  # fmt: skip
+    best = min(calibration[1:], key=lambda r: r["ms_per_token"])
+    cost = RowCost({1: calibration[0]["target_ms"]}
+                   | {r["lookahead"] + 1: r["target_ms"] for r in calibration[1:]})  # fmt: skip
+    drafter_ms, acceptance = best["drafter_ms"], best["acceptance"]
+    configs = [config("non-SI", 1, 1), config("SI", 1, best["lookahead"])]
+    for sp in sorted(pools):
+        lookaheads = {"Equation 1": min_lookahead(cost(1), drafter_ms, sp),
+                      "chosen": choose_lookahead(cost, drafter_ms, sp, acceptance)}  # fmt: skip
+        if sweep:
+            lookaheads["lookahead 1"] = 1
+        for k in sorted(set(lookaheads.values())):
+            configs.append(
+                config("DSI", sp, k)
+                | {"label": ", ".join(n for n, v in lookaheads.items() if v == k)}
+            )
+    rows = run(configs, "compared")
+    for row, c in zip(rows, configs):
+        row["lookahead_from"] = c.get("label", "")
+        row["predicted_ms_per_token"] = predict(row, cost, drafter_ms, acceptance,
+                                                args.tokens - 1, rng)  # fmt: skip
         row["prediction_error"] = row["ms_per_token"] / row["predicted_ms_per_token"] - 1
-        rows.append(row)
-        print(f"[{name}] {kind:7} SP={sp} L={lookahead:2}: {row['ms_per_token']:6.1f} ms/token "
-              f"(predicted {row['predicted_ms_per_token']:6.1f}, {row['prediction_error']:+.0%}) "
-              f"identical {row['identical']}, target {row['target_ms']:.1f} ms, drafter "
+        print(f"[{name}] {row['kind']:7} SP={row['sp']} L={row['lookahead']:2} "
+              f"{row['lookahead_from']:24}: {row['ms_per_token']:6.1f} ms/token (predicted "
+              f"{row['predicted_ms_per_token']:6.1f}, {row['prediction_error']:+.0%}) identical "
+              f"{row['identical']}, target {row['target_ms']:.1f} ms, drafter "
               f"{row['drafter_ms']:.2f} ms, acceptance {row['acceptance']:.2f}, wasted "
               f"{row['wasted_forwards_per_token']:.2f}/token", flush=True)  # fmt: skip
-        return row
-
-    one = pools[min(pools)]
-    add("non-SI", 1, 1, DSIMode(engine, one, lookahead=1, drafter=False), one)
-    si_rows = [add("SI", 1, k, DSIMode(engine, one, lookahead=k, overlap=False, draft_s=draft_s), one)
-               for k in args.si_lookaheads]  # fmt: skip
-    best = min(si_rows, key=lambda r: r["ms_per_token"])
-    best["best_si"] = True
-    target_ms, drafter_ms = best["target_ms"], best["drafter_ms"]
-    for sp, pool in sorted(pools.items()):
-        lookahead = choose_lookahead(target_ms, drafter_ms, sp)
-        add("DSI", sp, lookahead, DSIMode(engine, pool, lookahead=lookahead, draft_s=draft_s), pool)
-        if sweep and lookahead != 1:
-            add("DSI", sp, 1, DSIMode(engine, pool, lookahead=1, draft_s=draft_s), pool)
-    return rows
+    for row in rows:
+        row["best_si"] = row["kind"] == "SI"
+    row_costs = {r: round(cost(r), 1) for r in cost.rows}
+    print(f"[{name}] target ms by rows {row_costs}, drafter {drafter_ms:.2f} ms, "
+          f"acceptance {acceptance:.2f}", flush=True)  # fmt: skip
+    return calibration + rows
 
 
 def expected_tokens(args, prompts, params) -> list[tuple[list[int], list[int]]]:
@@ -142,31 +181,23 @@ def pools_for(engine, sps: list[int], latency_s: float | None) -> dict[int, Targ
 
 
 def draw(result: dict, plt):
-    rows = result["rows"]
+    rows = [r for r in result["rows"] if r.get("phase") == "compared"]
     names = list(dict.fromkeys(r["section"] for r in rows))
     fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), squeeze=False)
     for ax, name in zip(axes[0], names):
         mine = [r for r in rows if r["section"] == name]
-        for kind, marker in (("DSI", "o"), ("SI", "s"), ("non-SI", "^")):
-            pts = [r for r in mine if r["kind"] == kind and (kind != "SI" or r.get("best_si"))]
-            if kind == "DSI":
-                by_l = {}
-                for r in pts:
-                    eq1 = r["lookahead"] != 1 or all(
-                        x["lookahead"] == 1 for x in pts if x["sp"] == r["sp"]
-                    )
-                    by_l.setdefault("Eq. 1 lookahead" if eq1 else "lookahead 1", []).append(r)
-                for label, group in by_l.items():
-                    group.sort(key=lambda r: r["sp"])
-                    ax.plot([r["sp"] for r in group], [r["ms_per_token"] for r in group],
-                            marker=marker, label=f"DSI, {label}")  # fmt: skip
-                    ax.plot([r["sp"] for r in group], [r["predicted_ms_per_token"] for r in group],
-                            ls=":", color="gray")  # fmt: skip
-            else:
-                for r in pts:
-                    ax.axhline(r["ms_per_token"], ls="--", marker=None,
-                               label=f"{kind} (L={r['lookahead']})" if kind == "SI" else kind,
-                               color="C1" if kind == "SI" else "C2")  # fmt: skip
+        for label in ("Equation 1", "chosen", "lookahead 1"):
+            group = sorted((r for r in mine if label in r["lookahead_from"]), key=lambda r: r["sp"])
+            if group:
+                ax.plot([r["sp"] for r in group], [r["ms_per_token"] for r in group], marker="o",
+                        label=f"DSI, {label}")  # fmt: skip
+                ax.plot([r["sp"] for r in group], [r["predicted_ms_per_token"] for r in group],
+                        ls=":", color="gray")  # fmt: skip
+        for r in mine:
+            if r["kind"] != "DSI":
+                ax.axhline(r["ms_per_token"], ls="--",
+                           label=f"SI (L={r['lookahead']})" if r["kind"] == "SI" else "non-SI",
+                           color="C3" if r["kind"] == "SI" else "C4")  # fmt: skip
         ax.set_title(name)
         ax.set_xlabel("target servers (SP)")
         ax.set_ylabel("ms / token")

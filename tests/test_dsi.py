@@ -14,8 +14,7 @@ import time
 import pytest
 
 from specinfer import Engine, SamplingParams
-from specinfer.dsi.mode import DSIMode, server_spec
-from specinfer.dsi.orchestrator import choose_lookahead
+from specinfer.dsi.mode import DSIMode, choose_lookahead, server_spec
 from specinfer.dsi.servers import DSIError, TargetPool
 from specinfer.ngram import NgramConfig, NgramDrafter
 from specinfer.tree import TreeConfig
@@ -55,10 +54,12 @@ def test_dsi_greedy_equals_incremental(tiny_pair, reference, servers, lookahead)
     with Engine(target, dtype="float32", ssm=[other, "ngram"], mode="dsi",
                 target_servers=servers, lookahead=lookahead) as engine:  # fmt: skip
         outs = engine.generate(PROMPTS, GREEDY)
-        if lookahead is None:  # Equation 1 from the latencies measured at start
+        if lookahead is None:  # chosen from what was measured (at start, and as requests ran)
             measured = engine.dsi.latencies
             assert measured["target_s"] > 0 and measured["drafter_s"] > 0
-            lookahead = choose_lookahead(measured["target_s"], measured["drafter_s"], servers)
+            assert len(measured["row_cost"].rows) >= 2 and 0 <= measured["acceptance"] <= 1
+            lookahead = choose_lookahead(measured["row_cost"], measured["drafter_s"], servers,
+                                         measured["acceptance"])  # fmt: skip
         assert engine.dsi.lookahead == lookahead
     assert _ids(outs) == reference
     m = [o.metrics["dsi"] for o in outs]
@@ -323,4 +324,14 @@ def test_cli_generate_with_dsi(tiny_pair, capsys):  # noqa: F811
     assert rc == 0
     err = capsys.readouterr().err
     assert "blocks verified" in err and "wasted forwards" in err
+    assert _no_servers_left()
+
+
+def test_dsi_warns_when_servers_and_drafter_outnumber_the_cores(tiny_pair, monkeypatch):  # noqa: F811
+    target, other = tiny_pair
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    with pytest.warns(UserWarning, match="needs 2 cores; this machine has 1"):
+        with Engine(target, dtype="float32", ssm=[other], mode="dsi", target_servers=1,
+                    lookahead=1) as engine:  # fmt: skip
+            assert engine.generate([[3]], GREEDY)[0].token_ids
     assert _no_servers_left()

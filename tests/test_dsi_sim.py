@@ -6,7 +6,16 @@ import statistics
 
 import pytest
 
-from specinfer.dsi.sim import draw_correct, dsi, min_lookahead, non_si, si, sp_needed
+from specinfer.dsi.sim import (
+    RowCost,
+    best_lookahead,
+    draw_correct,
+    dsi,
+    min_lookahead,
+    non_si,
+    si,
+    sp_needed,
+)
 
 
 def test_equation_1_gives_the_papers_lookaheads():
@@ -66,3 +75,33 @@ def test_where_si_is_slower_than_non_si_dsi_is_not():
     dsi_t = statistics.mean(dsi(50, 1.0, 0.7, c, min_lookahead(1.0, 0.7, 7), 7).latency
                             for c in draws)  # fmt: skip
     assert si_t > non_si(50, 1.0) > dsi_t
+
+
+def test_row_cost_interpolates_measured_points_and_extends_the_last_segment():
+    cost = RowCost({1: 1.0, 3: 1.4, 5: 1.6})
+    assert [cost(r) for r in (1, 2, 3, 4, 5)] == pytest.approx([1.0, 1.2, 1.4, 1.5, 1.6])
+    assert cost(9) == pytest.approx(2.0) and cost(0) == 1.0
+    assert RowCost({2: 3.0})(7) == 3.0
+    with pytest.raises(ValueError, match="rows >= 1"):
+        RowCost({0: 1.0})
+
+
+def test_forwards_cost_their_rows():
+    cost = RowCost({1: 1.0, 3: 2.0})
+    never = [True] + [False] * 10  # every draft rejected: one token per forward
+    assert si(3, cost, 0.1, never, 2) == pytest.approx(3 * (0.2 + 2.0))
+    assert non_si(4, cost) == 4.0
+    # DSI with a useless drafter: a one-row task per token, and blocks that are always wasted.
+    assert dsi(5, cost, 0.1, never, 2, 4).latency == pytest.approx(non_si(5, cost))
+
+
+def test_best_lookahead_shortens_blocks_when_rows_cost():
+    flat, steep = 1.0, RowCost({1: 1.0, 2: 1.1, 5: 1.5, 11: 2.2})  # steep: a 2-core CPU's
+    for sp in (1, 2):
+        eq1 = min_lookahead(1.0, 0.1, sp)
+        k_flat, k_steep = best_lookahead(flat, 0.1, sp, 0.6), best_lookahead(steep, 0.1, sp, 0.6)
+        assert 1 <= k_steep < k_flat <= eq1
+        draws = [draw_correct(64, 0.6, random.Random(i)) for i in range(40)]
+        at = {k: statistics.mean(dsi(64, steep, 0.1, c, k, sp).latency for c in draws)
+              for k in (k_steep, eq1)}  # fmt: skip
+        assert at[k_steep] < at[eq1]

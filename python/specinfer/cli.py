@@ -85,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         "--lookahead",
         type=int,
         default=None,
-        help="with --mode dsi: drafted tokens per verification task (default: the smallest "
-        "Equation 1 allows for the servers, from latencies measured at start)",
+        help="with --mode dsi: drafted tokens per verification task (default: the one with "
+        "the lowest expected latency, at most Equation 1's, from the drafter's latency, a "
+        "server's forward cost by rows and the acceptance rate, measured at start)",
     )
     gen.add_argument(
         "--whole-trees",

@@ -2,20 +2,30 @@
 request through them (DSI overlaps drafting with verification inside one request, so requests
 run one at a time; `stream` gets a request's text when it ends).
 
-The lookahead, unless given, comes from Equation 1 and latencies measured on a warm-up request
-(the target's forward on a server, the drafter's level): the smallest that `target_servers`
-servers keep up with.
+The lookahead, unless given, is chosen from measurements: a warm-up request gives the drafter's
+latency per level and a first acceptance rate, and a server times its forward over 1, 2, 3, 5,
+9, ... rows. Equation 1 (with a one-row forward) bounds the candidates: the smallest lookahead
+that `target_servers` servers keep up with; below it the simulator (dsi/sim.py, fed the row
+costs) picks the one with the lowest expected latency. On a GPU a forward costs about the same
+for a few rows and the pick is near Equation 1's; on a CPU every row costs, and shorter blocks
+win. The acceptance rate is updated as requests finish, and the lookahead chosen again when it
+moves.
 """
 
 from __future__ import annotations
 
+import os
 import time
+import warnings
 
-from specinfer.dsi.orchestrator import Orchestrator, choose_lookahead
+from specinfer.dsi.orchestrator import Orchestrator
 from specinfer.dsi.servers import ServerSpec, TargetPool
+from specinfer.dsi.sim import Latency, RowCost, best_lookahead, min_lookahead
 
 MAX_LOOKAHEAD = 64
 WARMUP = "The quick brown fox jumps over the lazy dog. The quick brown fox"
+PRIOR_ACCEPTANCE = 0.5  # until drafts have been tested
+RECHOOSE = 0.05  # choose the lookahead again when the acceptance rate moves this much
 
 
 class DSIMode:
@@ -34,13 +44,21 @@ class DSIMode:
         self.pool = pool
         self.orchestrator = Orchestrator(pool, engine.drafter if drafter else None,
                                          lookahead or 1, overlap, draft_s)  # fmt: skip
-        self.latencies: dict[str, float] = {}
+        self.latencies: dict = {}
         if lookahead is None and drafter:
             self.calibrate(engine)
 
     @classmethod
     def start(cls, engine, target_servers: int, lookahead: int | None, threads: int = 1):
         """The Engine's mode "dsi": `target_servers` copies of its target."""
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        if engine.device.type == "cpu" and cores and target_servers * threads + 1 > cores:
+            warnings.warn(
+                f"DSI with {target_servers} target server(s) of {threads} thread(s) and a drafter "
+                f"needs {target_servers * threads + 1} cores; this machine has {cores}. They will "
+                "share cores, and DSI can then be slower than plain decoding",
+                stacklevel=3,
+            )
         pool = TargetPool(server_spec(engine, threads), target_servers)
         try:
             return cls(engine, pool, lookahead)
@@ -49,20 +67,46 @@ class DSIMode:
             raise
 
     def calibrate(self, engine) -> None:
-        """Time a short warm-up request (lookahead 1) and set the lookahead by Equation 1."""
+        """Time a short warm-up request (lookahead 1) and a server's forward over growing
+        blocks; choose the lookahead."""
         from specinfer.sampling import SamplingParams
 
         seq = engine.make_sequence(WARMUP, SamplingParams(max_tokens=12, ignore_eos=True))
         engine.add_sequence(seq)
         self.step(engine)
         m = seq.metrics["dsi"]
-        target_s = m["compute_s"] / max(1, m["compute_n"])
-        drafter_s = m["draft_s"] / max(1, m["draft_calls"])
+        self.drafter_s = m["draft_s"] / max(1, m["draft_calls"])
+        self.tested = [m["accepted"], m["tested"]]
+        context, timed = seq.prompt_ids + seq.output_ids, {}
+
+        def time_rows(rows: int) -> float:
+            timed[rows] = min(self.pool.time_forward(context, rows) for _ in range(2))
+            return timed[rows]
+
         servers = len(self.pool.alive)
-        self.orchestrator.lookahead = min(
-            MAX_LOOKAHEAD, choose_lookahead(target_s, drafter_s, servers)
-        )
-        self.latencies = {"target_s": target_s, "drafter_s": drafter_s}
+        top = min(MAX_LOOKAHEAD, min_lookahead(time_rows(1), self.drafter_s, servers)) + 1
+        rows = 2
+        while rows < top:
+            time_rows(rows)
+            rows = 2 * rows - 1  # 2, 3, 5, 9, 17, ...
+        time_rows(top)
+        self.row_cost = RowCost(timed)
+        self._choose()
+
+    def _choose(self) -> None:
+        accepted, tested = self.tested
+        acceptance = accepted / tested if tested else PRIOR_ACCEPTANCE
+        servers = len(self.pool.alive)
+        self.orchestrator.lookahead = choose_lookahead(self.row_cost, self.drafter_s, servers,
+                                                       acceptance)  # fmt: skip
+        self.latencies = {"target_s": self.row_cost(1), "drafter_s": self.drafter_s,
+                          "row_cost": self.row_cost, "acceptance": acceptance}  # fmt: skip
+
+    def _learn(self, m: dict) -> None:
+        """Fold a finished request's drafts into the acceptance rate; choose again if it moved."""
+        self.tested = [self.tested[0] + m["accepted"], self.tested[1] + m["tested"]]
+        if abs(self.tested[0] / max(1, self.tested[1]) - self.latencies["acceptance"]) > RECHOOSE:
+            self._choose()
 
     @property
     def lookahead(self) -> int:
@@ -94,6 +138,8 @@ class DSIMode:
                 seq.finish_reason = seq.finish_reason or "abort"
                 sched.finish(seq)
         seq.metrics["dsi"] = m
+        if self.latencies and m["tested"]:
+            self._learn(m)
         seq.metrics["steps"] = m["blocks_verified"]
         seq.metrics["ssm_s"] += m["draft_s"]
         seq.metrics["target_s"] += time.perf_counter() - start - m["draft_s"]
@@ -101,6 +147,14 @@ class DSIMode:
 
     def close(self) -> None:
         self.pool.close()
+
+
+def choose_lookahead(target_s: Latency, drafter_s: float, servers: int, acceptance: float) -> int:
+    """The lookahead DSI runs with: see the module doc (target_s: seconds per forward, or a
+    RowCost)."""
+    cost = target_s if callable(target_s) else RowCost({1: max(target_s, 1e-6)})
+    lookahead = best_lookahead(cost, max(drafter_s, 1e-6), servers, acceptance)
+    return min(MAX_LOOKAHEAD, lookahead)
 
 
 def server_spec(engine, threads: int = 1, latency_s: float | None = None) -> ServerSpec:

@@ -39,7 +39,6 @@ import torch
 
 from specinfer import verify
 from specinfer.dsi.servers import DSIError, TargetPool, Task, common_prefix
-from specinfer.dsi.sim import min_lookahead
 from specinfer.sampling import draw_seed, make_generator
 from specinfer.tree import TokenTree
 
@@ -388,8 +387,3 @@ def _descends(tree: TokenTree, node: int, ancestor: int) -> bool:
     while node > ancestor:
         node = tree.parents[node]
     return node == ancestor
-
-
-def choose_lookahead(target_s: float, drafter_s: float, servers: int) -> int:
-    """Equation 1: the smallest lookahead whose verification tasks `servers` keep up with."""
-    return min_lookahead(max(target_s, 1e-6), max(drafter_s, 1e-6), servers)

@@ -267,6 +267,25 @@ class TargetPool:
         self.busy[server] = task.id
         self._send(server, ("task", task))
 
+    def time_forward(self, context: list[int], rows: int) -> float:
+        """A free server's seconds for a task of `rows` rows (the context's last token and a
+        chain of rows - 1 nodes below it): calibration, as a CPU forward's cost grows with rows."""
+        free = self.free()
+        if not free:
+            raise DSIError("no target server is free to time a forward")
+        chain = [context[i % len(context)] for i in range(rows - 1)]
+        task = Task(self.next_id(), context, chain, list(range(-1, rows - 2)))
+        self.submit(free[0], task)
+        deadline = time.monotonic() + LOAD_TIMEOUT
+        while (left := deadline - time.monotonic()) > 0:
+            for r in self.poll(left)[0]:
+                if r.task == task.id:
+                    if r.status != "done":
+                        raise DSIError(f"target server {r.server} {r.status} while timing a "
+                                       f"forward {r.why.strip()[-300:]}")  # fmt: skip
+                    return r.compute_s
+        raise DSIError(f"no target server answered a timing task in {LOAD_TIMEOUT:.0f} s")
+
     def set_trace(self, trace: list[int]) -> None:
         for i in sorted(self.alive):
             self._send(i, ("trace", trace))

@@ -6,7 +6,10 @@ latency, a drafter forward's latency and the drafter's acceptance rate.
 Both speculative methods see the same drafts: `correct[p]` says whether the drafter's token at
 position p, drafted after a correct prefix, equals the target's (i.i.d. with the acceptance
 rate; common random numbers across methods). Forwards take their fixed latencies; nothing else
-costs time (the paper's offline setting; the real orchestrator measures its overheads).
+costs time (the paper's offline setting; the real orchestrator measures its overheads). A target
+forward's latency is a number (the paper: a GPU forward costs the same for a few rows) or a
+function of its rows (`RowCost`: on a CPU every row costs; `best_lookahead` then weighs a longer
+block's slower forward against its fewer tasks).
 
 DSI, as simulated: after each rejection (and at the start) the drafter drafts one token per
 drafter latency from the verified prefix. A target task starts at once on the verified prefix
@@ -24,10 +27,40 @@ is drafted so far.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import random
+import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
+
+Latency = float | Callable[[int], float]  # a target forward's seconds, or seconds for its rows
+
+
+class RowCost:
+    """A target forward's seconds as a function of its rows, from measured points: linear
+    between them, and past the last along the last two (a single point: constant)."""
+
+    def __init__(self, seconds: dict[int, float]):
+        if not seconds or min(seconds) < 1 or min(seconds.values()) <= 0:
+            raise ValueError(f"row costs need rows >= 1 and positive seconds, got {seconds}")
+        self.rows, self.seconds = sorted(seconds), [seconds[r] for r in sorted(seconds)]
+
+    def __call__(self, rows: int) -> float:
+        r, s = self.rows, self.seconds
+        if len(r) == 1 or rows <= r[0]:
+            return s[0]
+        i = min(bisect.bisect_left(r, rows), len(r) - 1)  # the segment r[i-1]..r[i]
+        slope = (s[i] - s[i - 1]) / (r[i] - r[i - 1])
+        return max(s[0], s[i - 1] + slope * (rows - r[i - 1]))
+
+    def __repr__(self) -> str:
+        return f"RowCost({dict(zip(self.rows, self.seconds))})"
+
+
+def _cost(target_s: Latency) -> Callable[[int], float]:
+    return target_s if callable(target_s) else lambda rows: target_s
 
 
 def sp_needed(target_s: float, drafter_s: float, lookahead: int) -> int:
@@ -60,11 +93,11 @@ def _right(correct: list[bool], position: int) -> bool:
     return position < len(correct) and correct[position]
 
 
-def non_si(n: int, target_s: float) -> float:
-    return n * target_s
+def non_si(n: int, target_s: Latency) -> float:
+    return n * _cost(target_s)(1)
 
 
-def si(n: int, target_s: float, drafter_s: float, correct: list[bool], lookahead: int) -> float:
+def si(n: int, target_s: Latency, drafter_s: float, correct: list[bool], lookahead: int) -> float:
     """Draft `lookahead` tokens, verify them in one target forward, keep the accepted ones and
     the target's next token; repeat."""
     verified, t = 0, 0.0
@@ -73,7 +106,7 @@ def si(n: int, target_s: float, drafter_s: float, correct: list[bool], lookahead
         while accepted < lookahead and _right(correct, verified + accepted + 1):
             accepted += 1
         verified += accepted + 1
-        t += lookahead * drafter_s + target_s
+        t += lookahead * drafter_s + _cost(target_s)(lookahead + 1)
     return t
 
 
@@ -87,7 +120,7 @@ class DSIRun:
     idle_waits: int = 0  # tasks that waited for a free server
 
 
-def dsi(n: int, target_s: float, drafter_s: float, correct: list[bool], lookahead: int,
+def dsi(n: int, target_s: Latency, drafter_s: float, correct: list[bool], lookahead: int,
         sp: int) -> DSIRun:  # fmt: skip
     """Algorithm 1 with lookahead over `sp` target servers (see the module docstring)."""
     run = DSIRun()
@@ -96,14 +129,15 @@ def dsi(n: int, target_s: float, drafter_s: float, correct: list[bool], lookahea
         first_wrong = verified + 1
         while _right(correct, first_wrong):
             first_wrong += 1
-        now, verified = _dsi_round(run, verified, now, first_wrong, n, target_s, drafter_s,
-                                   lookahead, sp)  # fmt: skip
+        now, verified = _dsi_round(run, verified, now, first_wrong, n, _cost(target_s),
+                                   drafter_s, lookahead, sp)  # fmt: skip
     run.latency, run.tokens = now, verified
     return run
 
 
-def _dsi_round(run: DSIRun, start: int, t0: float, first_wrong: int, n: int, target_s: float,
-               drafter_s: float, lookahead: int, sp: int) -> tuple[float, int]:  # fmt: skip
+def _dsi_round(run: DSIRun, start: int, t0: float, first_wrong: int, n: int,
+               cost: Callable[[int], float], drafter_s: float, lookahead: int,
+               sp: int) -> tuple[float, int]:  # fmt: skip
     """From a verified prefix of `start` tokens at time t0 until the rejection of the draft at
     `first_wrong` (or n tokens): (the time, the verified length)."""
     servers = [t0] * sp  # when each server is free
@@ -115,8 +149,9 @@ def _dsi_round(run: DSIRun, start: int, t0: float, first_wrong: int, n: int, tar
         free = heapq.heappop(servers)
         begin = max(at, free)
         run.idle_waits += begin > at
-        heapq.heappush(servers, begin + target_s)
-        heapq.heappush(finishing, (begin + target_s, lo, hi))
+        end = begin + cost(hi - lo + 1)  # the rows of positions lo..hi
+        heapq.heappush(servers, end)
+        heapq.heappush(finishing, (end, lo, hi))
         run.target_forwards += 1
 
     def drafted(at: float) -> int:  # last drafted position by time `at`
@@ -161,3 +196,19 @@ def _dsi_round(run: DSIRun, start: int, t0: float, first_wrong: int, n: int, tar
         covered |= any(lo <= verified + 1 <= hi for lo, hi, _ in done)
         if not covered:  # nothing in flight reaches the next position: start it now
             start_task(at, verified + 1, max(verified, drafted(at)) + 1)
+
+
+def best_lookahead(target_s: Latency, drafter_s: float, sp: int, acceptance: float,
+                   tokens: int = 64, runs: int = 40, seed: int = 0) -> int:  # fmt: skip
+    """The lookahead with the lowest expected DSI latency here (common random numbers across
+    the candidates; ties to the smaller). With a forward whose cost does not depend on its rows
+    that is about Equation 1's; where every row costs, a shorter block can win."""
+    cost = _cost(target_s)
+    first = min_lookahead(cost(1), drafter_s, sp)
+    # Past Equation 1's lookahead (with one-row forwards) a block only grows, so stop there.
+    candidates = range(1, first + 1)
+    rng = random.Random(seed)
+    draws = [draw_correct(tokens, min(max(acceptance, 0.0), 1.0), rng) for _ in range(runs)]
+    mean = {k: statistics.mean(dsi(tokens, cost, drafter_s, c, k, sp).latency for c in draws)
+            for k in candidates}  # fmt: skip
+    return min(candidates, key=mean.__getitem__)

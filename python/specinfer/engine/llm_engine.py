@@ -103,8 +103,9 @@ class Engine:
         mode "dsi": speculation parallelism (DSI's Algorithm 1, see dsi/orchestrator.py): the
         SSMs draft ahead while target_servers processes, each with its own copy of the target
         (one thread each), verify lookahead blocks concurrently; lookahead defaults to the
-        smallest Equation 1 allows from latencies measured at start. Requests run one at a
-        time; penalties are refused."""
+        one with the lowest expected latency (at most Equation 1's) from the drafter's latency,
+        a server's forward cost by rows and the acceptance rate, measured at start and as
+        requests finish (see dsi/mode.py). Requests run one at a time; penalties are refused."""
         if threads is not None:
             torch.set_num_threads(threads)
         for name, value in (("max_batch_size", max_batch_size),
