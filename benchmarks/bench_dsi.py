@@ -9,7 +9,7 @@ so the machine's drift hits all alike.
 
     python benchmarks/bench_dsi.py [--prompts 8] [--tokens 64] [--sections real emulated failure]
                                    [--target-ms 50] [--fractions 0.1 0.2] [--sp 1 2 3 4 5 6 7]
-                                   [--si-lookaheads 1 2 3 4] [--out results/dsi.json]
+                                   [--si-lookaheads 1 2 3 4] [--tree 1] [--out results/dsi.json]
 
 Sections:
 - real: SmolLM2 target servers (one thread each) and the default drafter (the shipped SSM, then
@@ -22,7 +22,7 @@ Sections:
   --failure-fraction of the target's latency, where SI is slower than non-SI and DSI is not.
 Per row: ms/token after the first token, requests identical to incremental decoding, the
 measured target forward, drafter level and acceptance (accepted / verification steps with a
-draft), the simulator's prediction from them and its error, and the overheads: message passing
+draft; "chain", what the simulator is fed: see sim.chain_acceptance), the simulator's prediction from them and its error, and the overheads: message passing
 per task (round trip minus the server's compute), preemptions and the wait for their answers,
 wasted forwards per token, drafter idle and target idle. JSON + PNG.
 """
@@ -42,7 +42,14 @@ from results_io import save  # noqa: E402
 from specinfer import Engine, SamplingParams  # noqa: E402
 from specinfer.dsi.mode import DSIMode, choose_lookahead, server_spec  # noqa: E402
 from specinfer.dsi.servers import TargetPool  # noqa: E402
-from specinfer.dsi.sim import RowCost, draw_correct, dsi, min_lookahead, si  # noqa: E402
+from specinfer.dsi.sim import (  # noqa: E402
+    RowCost,
+    chain_acceptance,
+    draw_correct,
+    dsi,
+    min_lookahead,
+    si,
+)
 
 HERE = Path(__file__).parent
 SIM_RUNS = 300
@@ -81,8 +88,12 @@ def _row(config: dict, run: dict, prompts: int, tokens: int) -> dict:
         "ms_per_token": 1000 * statistics.mean(run["per_token"]),
         "identical": f"{run['identical']}/{prompts}",
         "target_ms": 1000 * total["compute_s"] / max(1, total["compute_n"]),
+        "target_rows": total["compute_rows"] / max(1, total["compute_n"]),
         "drafter_ms": 1000 * total["draft_s"] / max(1, total["draft_calls"]),
         "acceptance": total["accepted"] / max(1, total["tested"]),
+        "chain_acceptance": chain_acceptance(
+            total["accepted"], total["accepted_main"], total["tested"]
+        ),
         "message_ms_per_task": 1000 * total["message_s"] / forwards,
         "preemptions": total["preemptions"],
         "preempt_wait_ms": 1000 * total["preempt_wait_s"] / max(1, total["preemptions"]),
@@ -97,15 +108,19 @@ def _row(config: dict, run: dict, prompts: int, tokens: int) -> dict:
 def predict(row: dict, cost: RowCost, drafter_ms: float, acceptance: float, tokens: int,
             rng) -> float:  # fmt: skip
     """The simulator's ms/token for the row's configuration, fed the section's measured row
-    costs, drafter latency and acceptance."""
+    costs, drafter latency and acceptance. The row costs are scaled to the forward the row
+    itself measured (its mean against theirs at its mean rows): servers and the drafter
+    sharing cores slow every forward, which the simulator does not model."""
     kind, sp, lookahead = row["kind"], row["sp"], row["lookahead"]
+    scale = row["target_ms"] / cost(max(1.0, row["target_rows"])) if row["target_rows"] else 1.0
+    scaled = RowCost({r: scale * cost(r) for r in cost.rows})
     if kind == "non-SI":
-        return cost(1)
+        return scaled(1)
     d, runs = max(drafter_ms, 1e-3), []
     for _ in range(SIM_RUNS):
         correct = draw_correct(tokens, acceptance, rng)
-        runs.append(si(tokens, cost, d, correct, lookahead) if kind == "SI"
-                    else dsi(tokens, cost, d, correct, lookahead, sp).latency)  # fmt: skip
+        runs.append(si(tokens, scaled, d, correct, lookahead) if kind == "SI"
+                    else dsi(tokens, scaled, d, correct, lookahead, sp).latency)  # fmt: skip
     return statistics.mean(runs) / tokens
 
 
@@ -133,7 +148,7 @@ def section(name: str, engine, pools: dict, prompts, expected, params, args, rng
     best = min(calibration[1:], key=lambda r: r["ms_per_token"])
     cost = RowCost({1: calibration[0]["target_ms"]}
                    | {r["lookahead"] + 1: r["target_ms"] for r in calibration[1:]})  # fmt: skip
-    drafter_ms, acceptance = best["drafter_ms"], best["acceptance"]
+    drafter_ms, acceptance = best["drafter_ms"], best["chain_acceptance"]
     configs = [config("non-SI", 1, 1), config("SI", 1, best["lookahead"])]
     for sp in sorted(pools):
         lookaheads = {"Equation 1": min_lookahead(cost(1), drafter_ms, sp),
@@ -155,7 +170,8 @@ def section(name: str, engine, pools: dict, prompts, expected, params, args, rng
               f"{row['lookahead_from']:24}: {row['ms_per_token']:6.1f} ms/token (predicted "
               f"{row['predicted_ms_per_token']:6.1f}, {row['prediction_error']:+.0%}) identical "
               f"{row['identical']}, target {row['target_ms']:.1f} ms, drafter "
-              f"{row['drafter_ms']:.2f} ms, acceptance {row['acceptance']:.2f}, wasted "
+              f"{row['drafter_ms']:.2f} ms, acceptance {row['acceptance']:.2f} (chain "
+              f"{row['chain_acceptance']:.2f}), wasted "
               f"{row['wasted_forwards_per_token']:.2f}/token", flush=True)  # fmt: skip
     for row in rows:
         row["best_si"] = row["kind"] == "SI"
@@ -172,7 +188,7 @@ def expected_tokens(args, prompts, params) -> list[tuple[list[int], list[int]]]:
 
 
 def drafter_engine(args, ssm):
-    return Engine(args.model, dtype=args.dtype, threads=1, ssm=ssm, tree="1",
+    return Engine(args.model, dtype=args.dtype, threads=1, ssm=ssm, tree=args.tree,
                   adaptive_tree=False, max_batch_size=1)  # fmt: skip
 
 
@@ -221,6 +237,9 @@ def main() -> None:
     ap.add_argument("--si-lookaheads", type=int, nargs="+", default=[1, 2, 3, 4])
     ap.add_argument("--failure-fraction", type=float, default=0.8)
     ap.add_argument("--failure-sp", type=int, nargs="+", default=[2])
+    ap.add_argument("--tree", default="1", help="the SSM's tree; DSI drafts one level at a "
+                    "time, so its first width is the SSM's candidates per level (prompt "
+                    "lookup adds its own)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(HERE / "results" / "dsi.json"))
     args = ap.parse_args()

@@ -9,6 +9,7 @@ import pytest
 from specinfer.dsi.sim import (
     RowCost,
     best_lookahead,
+    chain_acceptance,
     draw_correct,
     dsi,
     min_lookahead,
@@ -105,3 +106,11 @@ def test_best_lookahead_shortens_blocks_when_rows_cost():
         at = {k: statistics.mean(dsi(64, steep, 0.1, c, k, sp).latency for c in draws)
               for k in (k_steep, eq1)}  # fmt: skip
         assert at[k_steep] < at[eq1]
+
+
+def test_chain_acceptance_counts_a_side_candidate_as_one_more_token():
+    assert chain_acceptance(30, 30, 50) == pytest.approx(0.6)  # one candidate a level
+    assert chain_acceptance(0, 0, 0) == 0.0
+    # Main accepted 20 of 50; another candidate in 15 of the other 30: rounds yield
+    # (1 + 0.5) / (1 - 0.4) = 2.5 tokens, as i.i.d. positions at 0.6 do.
+    assert chain_acceptance(35, 20, 50) == pytest.approx(0.6)

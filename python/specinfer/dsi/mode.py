@@ -20,12 +20,13 @@ import warnings
 
 from specinfer.dsi.orchestrator import Orchestrator
 from specinfer.dsi.servers import ServerSpec, TargetPool
-from specinfer.dsi.sim import Latency, RowCost, best_lookahead, min_lookahead
+from specinfer.dsi.sim import Latency, RowCost, best_lookahead, chain_acceptance, min_lookahead
 
 MAX_LOOKAHEAD = 64
 WARMUP = "The quick brown fox jumps over the lazy dog. The quick brown fox"
 PRIOR_ACCEPTANCE = 0.5  # until drafts have been tested
 RECHOOSE = 0.05  # choose the lookahead again when the acceptance rate moves this much
+DRAFT_COUNTS = ("accepted", "accepted_main", "tested")  # a request's metrics: its acceptance
 
 
 class DSIMode:
@@ -76,7 +77,7 @@ class DSIMode:
         self.step(engine)
         m = seq.metrics["dsi"]
         self.drafter_s = m["draft_s"] / max(1, m["draft_calls"])
-        self.tested = [m["accepted"], m["tested"]]
+        self.tested = [m[k] for k in DRAFT_COUNTS]
         context, timed = seq.prompt_ids + seq.output_ids, {}
 
         def time_rows(rows: int) -> float:
@@ -94,8 +95,7 @@ class DSIMode:
         self._choose()
 
     def _choose(self) -> None:
-        accepted, tested = self.tested
-        acceptance = accepted / tested if tested else PRIOR_ACCEPTANCE
+        acceptance = chain_acceptance(*self.tested) if self.tested[-1] else PRIOR_ACCEPTANCE
         servers = len(self.pool.alive)
         self.orchestrator.lookahead = choose_lookahead(self.row_cost, self.drafter_s, servers,
                                                        acceptance)  # fmt: skip
@@ -104,8 +104,8 @@ class DSIMode:
 
     def _learn(self, m: dict) -> None:
         """Fold a finished request's drafts into the acceptance rate; choose again if it moved."""
-        self.tested = [self.tested[0] + m["accepted"], self.tested[1] + m["tested"]]
-        if abs(self.tested[0] / max(1, self.tested[1]) - self.latencies["acceptance"]) > RECHOOSE:
+        self.tested = [n + m[k] for n, k in zip(self.tested, DRAFT_COUNTS)]
+        if abs(chain_acceptance(*self.tested) - self.latencies["acceptance"]) > RECHOOSE:
             self._choose()
 
     @property

@@ -58,9 +58,10 @@ class _Job:
 
 
 def _metrics() -> dict:
-    counts = ("rounds", "draft_calls", "drafted", "tested", "accepted", "target_forwards",
+    counts = ("rounds", "draft_calls", "drafted", "tested", "accepted", "accepted_main",
+              "target_forwards",
               "blocks_verified", "wasted_forwards", "prefills", "preemptions", "servers_lost",
-              "compute_n")  # fmt: skip
+              "compute_n", "compute_rows")  # fmt: skip
     seconds = ("drafter_idle_s", "target_idle_s", "message_s", "preempt_wait_s", "draft_s",
                "compute_s")  # fmt: skip
     return dict.fromkeys(counts, 0) | dict.fromkeys(seconds, 0.0)
@@ -306,6 +307,7 @@ class Orchestrator:
             if r.status == "done" and not job.prefill:
                 self.m["compute_s"] += r.compute_s
                 self.m["compute_n"] += 1
+                self.m["compute_rows"] += 1 + len(job.nodes)
             if r.status == "preempted" or job.round != self.round:  # wasted: see _finish
                 if job.cancelled:
                     self.m["preempt_wait_s"] += now - job.cancelled
@@ -327,6 +329,7 @@ class Orchestrator:
             if child is not None:
                 self.frontier = child
                 self.m["accepted"] += 1
+                self.m["accepted_main"] += child in self.main  # else the block ends below it
             self.done = self.emit([token])
             if child is None and not self.done:
                 self._new_round(self.S + self.tree.path_tokens(_path(self.tree, f)[1:]) + [token])

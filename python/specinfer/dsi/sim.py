@@ -82,6 +82,18 @@ def min_lookahead(target_s: float, drafter_s: float, sp: int) -> int:
     return lookahead
 
 
+def chain_acceptance(accepted: int, accepted_main: int, tested: int) -> float:
+    """The per-position acceptance to simulate a drafter whose levels hold several candidates:
+    a block continues only under the main one; a level where another candidate is accepted
+    yields that token and the target's next, then ends like a rejection. The rate whose
+    expected tokens per round, 1 / (1 - a), equal (1 + other) / (1 - main) (no drafts: 0)."""
+    if not tested:
+        return 0.0
+    main = accepted_main / tested
+    other = (accepted - accepted_main) / max(1, tested - accepted_main)
+    return 1 - (1 - main) / (1 + other)
+
+
 def draw_correct(n: int, acceptance: float, rng: random.Random) -> list[bool]:
     """Whether the drafter's token at each position 1..n+1 (index 0 unused) matches the target's
     after a correct prefix."""
