@@ -47,6 +47,8 @@ from specinfer.dsi.sim import (  # noqa: E402
     chain_acceptance,
     draw_correct,
     dsi,
+    level_cost,
+    level_width,
     min_lookahead,
     si,
 )
@@ -89,6 +91,9 @@ def _row(config: dict, run: dict, prompts: int, tokens: int) -> dict:
         "identical": f"{run['identical']}/{prompts}",
         "target_ms": 1000 * total["compute_s"] / max(1, total["compute_n"]),
         "target_rows": total["compute_rows"] / max(1, total["compute_n"]),
+        "level_width": level_width(
+            total["compute_rows"], total["compute_levels"], total["compute_n"]
+        ),
         "drafter_ms": 1000 * total["draft_s"] / max(1, total["draft_calls"]),
         "acceptance": total["accepted"] / max(1, total["tested"]),
         "chain_acceptance": chain_acceptance(
@@ -105,15 +110,16 @@ def _row(config: dict, run: dict, prompts: int, tokens: int) -> dict:
     }
 
 
-def predict(row: dict, cost: RowCost, drafter_ms: float, acceptance: float, tokens: int,
-            rng) -> float:  # fmt: skip
+def predict(row: dict, cost: RowCost, width: float, drafter_ms: float, acceptance: float,
+            tokens: int, rng) -> float:  # fmt: skip
     """The simulator's ms/token for the row's configuration, fed the section's measured row
-    costs, drafter latency and acceptance. The row costs are scaled to the forward the row
-    itself measured (its mean against theirs at its mean rows): servers and the drafter
-    sharing cores slow every forward, which the simulator does not model."""
+    costs (`width` rows a drafted level), drafter latency and acceptance. The row costs are
+    scaled to the forward the row itself measured (its mean against theirs at its mean rows):
+    servers and the drafter sharing cores slow every forward, which the simulator does not
+    model."""
     kind, sp, lookahead = row["kind"], row["sp"], row["lookahead"]
-    scale = row["target_ms"] / cost(max(1.0, row["target_rows"])) if row["target_rows"] else 1.0
-    scaled = RowCost({r: scale * cost(r) for r in cost.rows})
+    scale = row["target_ms"] / cost(row["target_rows"]) if row["target_rows"] else 1.0
+    scaled = level_cost(lambda rows: scale * cost(rows), width)
     if kind == "non-SI":
         return scaled(1)
     d, runs = max(drafter_ms, 1e-3), []
@@ -146,13 +152,16 @@ def section(name: str, engine, pools: dict, prompts, expected, params, args, rng
     calibration = run([config("non-SI", 1, 1)]
                       + [config("SI", 1, k) for k in args.si_lookaheads], "calibration")  # fmt: skip
     best = min(calibration[1:], key=lambda r: r["ms_per_token"])
-    cost = RowCost({1: calibration[0]["target_ms"]}
-                   | {r["lookahead"] + 1: r["target_ms"] for r in calibration[1:]})  # fmt: skip
+    # The forward's cost at each measured mean of rows; a drafted level's rows (SI's tasks).
+    cost = RowCost({1.0: calibration[0]["target_ms"]}
+                   | {r["target_rows"]: r["target_ms"] for r in calibration[1:]})  # fmt: skip
+    width = statistics.mean(r["level_width"] for r in calibration[1:])
+    by_level = level_cost(cost, width)
     drafter_ms, acceptance = best["drafter_ms"], best["chain_acceptance"]
     configs = [config("non-SI", 1, 1), config("SI", 1, best["lookahead"])]
     for sp in sorted(pools):
         lookaheads = {"Equation 1": min_lookahead(cost(1), drafter_ms, sp),
-                      "chosen": choose_lookahead(cost, drafter_ms, sp, acceptance)}  # fmt: skip
+                      "chosen": choose_lookahead(by_level, drafter_ms, sp, acceptance)}  # fmt: skip
         if sweep:
             lookaheads["lookahead 1"] = 1
         for k in sorted(set(lookaheads.values())):
@@ -163,7 +172,7 @@ def section(name: str, engine, pools: dict, prompts, expected, params, args, rng
     rows = run(configs, "compared")
     for row, c in zip(rows, configs):
         row["lookahead_from"] = c.get("label", "")
-        row["predicted_ms_per_token"] = predict(row, cost, drafter_ms, acceptance,
+        row["predicted_ms_per_token"] = predict(row, cost, width, drafter_ms, acceptance,
                                                 args.tokens - 1, rng)  # fmt: skip
         row["prediction_error"] = row["ms_per_token"] / row["predicted_ms_per_token"] - 1
         print(f"[{name}] {row['kind']:7} SP={row['sp']} L={row['lookahead']:2} "
@@ -175,8 +184,9 @@ def section(name: str, engine, pools: dict, prompts, expected, params, args, rng
               f"{row['wasted_forwards_per_token']:.2f}/token", flush=True)  # fmt: skip
     for row in rows:
         row["best_si"] = row["kind"] == "SI"
-    row_costs = {r: round(cost(r), 1) for r in cost.rows}
-    print(f"[{name}] target ms by rows {row_costs}, drafter {drafter_ms:.2f} ms, "
+    row_costs = {round(r, 1): round(cost(r), 1) for r in cost.rows}
+    print(f"[{name}] target ms by rows {row_costs} ({width:.1f} rows a level), drafter "
+          f"{drafter_ms:.2f} ms, "
           f"acceptance {acceptance:.2f}", flush=True)  # fmt: skip
     return calibration + rows
 

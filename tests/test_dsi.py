@@ -16,6 +16,7 @@ import pytest
 from specinfer import Engine, SamplingParams
 from specinfer.dsi.mode import DSIMode, choose_lookahead, server_spec
 from specinfer.dsi.servers import DSIError, TargetPool
+from specinfer.dsi.sim import level_cost
 from specinfer.ngram import NgramConfig, NgramDrafter
 from specinfer.tree import TreeConfig
 from test_speculative import (  # noqa: F401
@@ -58,7 +59,8 @@ def test_dsi_greedy_equals_incremental(tiny_pair, reference, servers, lookahead)
             measured = engine.dsi.latencies
             assert measured["target_s"] > 0 and measured["drafter_s"] > 0
             assert len(measured["row_cost"].rows) >= 2 and 0 <= measured["acceptance"] <= 1
-            lookahead = choose_lookahead(measured["row_cost"], measured["drafter_s"], servers,
+            cost = level_cost(measured["row_cost"], measured["level_width"])
+            lookahead = choose_lookahead(cost, measured["drafter_s"], servers,
                                          measured["acceptance"])  # fmt: skip
         assert engine.dsi.lookahead == lookahead
     assert _ids(outs) == reference

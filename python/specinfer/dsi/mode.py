@@ -20,7 +20,15 @@ import warnings
 
 from specinfer.dsi.orchestrator import Orchestrator
 from specinfer.dsi.servers import ServerSpec, TargetPool
-from specinfer.dsi.sim import Latency, RowCost, best_lookahead, chain_acceptance, min_lookahead
+from specinfer.dsi.sim import (
+    Latency,
+    RowCost,
+    best_lookahead,
+    chain_acceptance,
+    level_cost,
+    level_width,
+    min_lookahead,
+)
 
 MAX_LOOKAHEAD = 64
 WARMUP = "The quick brown fox jumps over the lazy dog. The quick brown fox"
@@ -78,6 +86,7 @@ class DSIMode:
         m = seq.metrics["dsi"]
         self.drafter_s = m["draft_s"] / max(1, m["draft_calls"])
         self.tested = [m[k] for k in DRAFT_COUNTS]
+        self.width = level_width(m["compute_rows"], m["compute_levels"], m["compute_n"])
         context, timed = seq.prompt_ids + seq.output_ids, {}
 
         def time_rows(rows: int) -> float:
@@ -97,10 +106,11 @@ class DSIMode:
     def _choose(self) -> None:
         acceptance = chain_acceptance(*self.tested) if self.tested[-1] else PRIOR_ACCEPTANCE
         servers = len(self.pool.alive)
-        self.orchestrator.lookahead = choose_lookahead(self.row_cost, self.drafter_s, servers,
-                                                       acceptance)  # fmt: skip
+        cost = level_cost(self.row_cost, self.width)
+        self.orchestrator.lookahead = choose_lookahead(cost, self.drafter_s, servers, acceptance)
         self.latencies = {"target_s": self.row_cost(1), "drafter_s": self.drafter_s,
-                          "row_cost": self.row_cost, "acceptance": acceptance}  # fmt: skip
+                          "row_cost": self.row_cost, "level_width": self.width,
+                          "acceptance": acceptance}  # fmt: skip
 
     def _learn(self, m: dict) -> None:
         """Fold a finished request's drafts into the acceptance rate; choose again if it moved."""

@@ -55,13 +55,14 @@ class _Job:
     sent: float = 0.0
     cancelled: float = 0.0
     prefill: bool = False  # a server's first task of the request: never preempted
+    levels: int = 0  # the depths its block spans
 
 
 def _metrics() -> dict:
     counts = ("rounds", "draft_calls", "drafted", "tested", "accepted", "accepted_main",
               "target_forwards",
               "blocks_verified", "wasted_forwards", "prefills", "preemptions", "servers_lost",
-              "compute_n", "compute_rows")  # fmt: skip
+              "compute_n", "compute_rows", "compute_levels")  # fmt: skip
     seconds = ("drafter_idle_s", "target_idle_s", "message_s", "preempt_wait_s", "draft_s",
                "compute_s")  # fmt: skip
     return dict.fromkeys(counts, 0) | dict.fromkeys(seconds, 0.0)
@@ -273,7 +274,9 @@ class Orchestrator:
                     main=[i for i, n in enumerate(nodes) if n in main],
                     sampling=None if p.greedy else (p.temperature, p.top_k, p.top_p))  # fmt: skip
         assert all(self.tree.parents[n] in index or self.tree.parents[n] == hang for n in nodes)
-        self.jobs[task.id] = _Job(task, self.round, hang, list(nodes), prefill=prefill)
+        levels = len({self.tree.depths[n] for n in nodes})
+        self.jobs[task.id] = _Job(task, self.round, hang, list(nodes), prefill=prefill,
+                                  levels=levels)  # fmt: skip
         self.m["prefills"] += prefill
         self.queue.append(task.id)
         self._dispatch()
@@ -308,6 +311,7 @@ class Orchestrator:
                 self.m["compute_s"] += r.compute_s
                 self.m["compute_n"] += 1
                 self.m["compute_rows"] += 1 + len(job.nodes)
+                self.m["compute_levels"] += job.levels
             if r.status == "preempted" or job.round != self.round:  # wasted: see _finish
                 if job.cancelled:
                     self.m["preempt_wait_s"] += now - job.cancelled

@@ -59,6 +59,17 @@ class RowCost:
         return f"RowCost({dict(zip(self.rows, self.seconds))})"
 
 
+def level_cost(cost: Callable[[int], float], width: float) -> Callable[[int], float]:
+    """A forward's seconds by the positions it verifies (what the simulator counts), for a
+    drafter with `width` nodes a level: the frontier's row and width rows for each level below."""
+    return lambda positions: cost(1 + width * (positions - 1))
+
+
+def level_width(rows: float, levels: float, tasks: float) -> float:
+    """Drafted nodes a level, from measured tasks' rows and levels (a chain, none drafted: 1)."""
+    return max(1.0, (rows - tasks) / levels) if levels else 1.0
+
+
 def _cost(target_s: Latency) -> Callable[[int], float]:
     return target_s if callable(target_s) else lambda rows: target_s
 
