@@ -160,11 +160,9 @@ class DSIMode:
 
 
 def choose_lookahead(target_s: Latency, drafter_s: float, servers: int, acceptance: float) -> int:
-    """The lookahead DSI runs with: see the module doc (target_s: seconds per forward, or a
-    RowCost)."""
-    cost = target_s if callable(target_s) else RowCost({1: max(target_s, 1e-6)})
-    lookahead = best_lookahead(cost, max(drafter_s, 1e-6), servers, acceptance)
-    return min(MAX_LOOKAHEAD, lookahead)
+    """The lookahead DSI runs with: see the module doc (target_s: seconds per forward, or
+    seconds by the positions it verifies)."""
+    return min(MAX_LOOKAHEAD, best_lookahead(target_s, max(drafter_s, 1e-6), servers, acceptance))
 
 
 def server_spec(engine, threads: int = 1, latency_s: float | None = None) -> ServerSpec:

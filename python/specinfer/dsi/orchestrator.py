@@ -60,8 +60,7 @@ class _Job:
 
 def _metrics() -> dict:
     counts = ("rounds", "draft_calls", "drafted", "tested", "accepted", "accepted_main",
-              "target_forwards",
-              "blocks_verified", "wasted_forwards", "prefills", "preemptions", "servers_lost",
+              "target_forwards", "blocks_verified", "wasted_forwards", "prefills", "preemptions", "servers_lost",
               "compute_n", "compute_rows", "compute_levels")  # fmt: skip
     seconds = ("drafter_idle_s", "target_idle_s", "message_s", "preempt_wait_s", "draft_s",
                "compute_s")  # fmt: skip
