@@ -1,11 +1,13 @@
 """DSI in real runs: non-SI, SI at its best lookahead, and DSI at the lookahead Equation 1 allows
-and at the one DSI chooses (dsi/mode.py: the simulator fed the measured cost of a forward by its
-rows), all through the same target server processes, on held-out chat prompts (greedy, batch 1),
-with the simulator's prediction (dsi/sim.py, fed the measured row costs, drafter latency and
-acceptance) beside each. A setting runs in two phases: non-SI and SI at every --si-lookaheads
-(which measure a forward at 1 and lookahead + 1 rows, the drafter and its acceptance), then the
-compared rows; within a phase each prompt goes through every configuration in turn (rotated),
-so the machine's drift hits all alike.
+and at what DSI chooses (dsi/mode.py: the simulator fed the measured cost of a forward by its
+rows and how much slower a forward is beside the drafter; a lookahead, or no drafts where none
+is expected to pay), all through the same target server processes, on held-out chat prompts
+(greedy, batch 1), with the simulator's prediction (dsi/sim.py, fed the measured row costs,
+drafter latency and acceptance) beside each. A setting runs in two phases: calibration (non-SI,
+SI at every --si-lookaheads and DSI at lookahead 1 on every pool: they measure a forward by its
+rows, the drafter, its acceptance and the forwards beside it), then the compared rows; within a
+phase each prompt goes through every configuration in turn (rotated), so the machine's drift
+hits all alike.
 
     python benchmarks/bench_dsi.py [--prompts 8] [--tokens 64] [--sections real emulated failure]
                                    [--target-ms 50] [--fractions 0.1 0.2] [--sp 1 2 3 4 5 6 7]
@@ -16,14 +18,14 @@ Sections:
   prompt lookup) on this machine's cores, SP 1 and 2.
 - emulated: servers that answer the target's recorded greedy tokens after an emulated forward
   of --target-ms, and the real drafter's tokens with its latency padded to each --fractions of
-  the target's: SP swept over --sp at lookahead 1 (the ceil(1/c) plateau), at Equation 1's
-  lookahead and at the chosen one; SI at its best lookahead; non-SI.
+  the target's: SP swept over --sp at lookahead 1 (the ceil(1/c) plateau; calibration rows), at
+  Equation 1's lookahead and at the chosen one; SI at its best lookahead; non-SI.
 - failure: speculation's failure region: a weak drafter (the target's first layer) padded to
   --failure-fraction of the target's latency, where SI is slower than non-SI and DSI is not.
 Per row: ms/token after the first token, requests identical to incremental decoding, the
 measured target forward, drafter level and acceptance (accepted / verification steps with a
-draft; "chain", what the simulator is fed: see sim.chain_acceptance), the simulator's prediction from them and its error, and the overheads: message passing
-per task (round trip minus the server's compute), preemptions and the wait for their answers,
+draft; "chain", what the simulator is fed: see sim.chain_acceptance), the simulator's
+prediction from them and its error, and the overheads: message passing per task (round trip minus the server's compute), preemptions and the wait for their answers,
 wasted forwards per token, drafter idle and target idle. JSON + PNG.
 """
 
@@ -40,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_spec import load_prompts  # noqa: E402
 from results_io import save  # noqa: E402
 from specinfer import Engine, SamplingParams  # noqa: E402
-from specinfer.dsi.mode import DSIMode, choose_lookahead, server_spec  # noqa: E402
+from specinfer.dsi.mode import DSIMode, plan_lookahead, server_spec  # noqa: E402
 from specinfer.dsi.servers import TargetPool  # noqa: E402
 from specinfer.dsi.sim import (  # noqa: E402
     RowCost,
@@ -120,7 +122,7 @@ def predict(row: dict, cost: RowCost, width: float, drafter_ms: float, acceptanc
     kind, sp, lookahead = row["kind"], row["sp"], row["lookahead"]
     scale = row["target_ms"] / cost(row["target_rows"]) if row["target_rows"] else 1.0
     scaled = level_cost(lambda rows: scale * cost(rows), width)
-    if kind == "non-SI":
+    if kind == "non-SI" or not lookahead:  # no drafts
         return scaled(1)
     d, runs = max(drafter_ms, 1e-3), []
     for _ in range(SIM_RUNS):
@@ -131,50 +133,60 @@ def predict(row: dict, cost: RowCost, width: float, drafter_ms: float, acceptanc
 
 
 def section(name: str, engine, pools: dict, prompts, expected, params, args, rng,
-            emulated: bool, draft_s: float | None, sweep: bool) -> list[dict]:  # fmt: skip
-    """Rows of one setting. First non-SI and SI at each lookahead (they measure the target's
-    forward at 1 and lookahead + 1 rows, the drafter and its acceptance); then, side by side:
-    non-SI, the best SI, and DSI on each pool at Equation 1's lookahead and at the one DSI
-    chooses (mode.choose_lookahead, from those measurements), and at lookahead 1 with `sweep`."""
+            emulated: bool, draft_s: float | None) -> list[dict]:  # fmt: skip
+    """Rows of one setting. First non-SI, SI at each lookahead and DSI at lookahead 1 on each
+    pool (they measure the target's forward by rows, the drafter, its acceptance, and how much
+    slower a forward is beside the drafter); then, side by side: non-SI, the best SI, and DSI
+    on each pool at Equation 1's lookahead and at what DSI chooses from those measurements
+    (mode.plan_lookahead: a lookahead, or no drafts where none is expected to pay)."""
 
     def config(kind: str, sp: int, lookahead: int) -> dict:
-        pool = pools[sp]
-        mode = DSIMode(engine, pool, lookahead=lookahead, drafter=kind != "non-SI",
-                       overlap=kind == "DSI", draft_s=draft_s)  # fmt: skip
-        return {"kind": kind, "sp": sp, "lookahead": lookahead, "mode": mode, "pool": pool}
+        """lookahead 0: DSI without drafts (what DSI runs where drafting does not pay)."""
+        mode = DSIMode(engine, pools[sp], lookahead=max(1, lookahead), draft_s=draft_s,
+                       drafter=kind != "non-SI" and lookahead > 0, overlap=kind == "DSI")  # fmt: skip
+        return {
+            "kind": kind,
+            "sp": sp,
+            "lookahead": lookahead,
+            "mode": mode,
+            "pool": pools[sp],
+            "label": "",
+        }
 
     def run(configs: list[dict], phase: str) -> list[dict]:
         rows = measure(engine, configs, prompts, expected, params, emulated)
-        for row in rows:
-            row.update(section=name, phase=phase)
+        for row, c in zip(rows, configs):
+            row.update(section=name, phase=phase, lookahead_from=c["label"])
         return rows
 
-    calibration = run([config("non-SI", 1, 1)]
-                      + [config("SI", 1, k) for k in args.si_lookaheads], "calibration")  # fmt: skip
-    best = min(calibration[1:], key=lambda r: r["ms_per_token"])
+    sps = sorted(pools)
+    calibration = run([config("non-SI", 1, 1)] + [config("SI", 1, k) for k in args.si_lookaheads]
+                      + [config("DSI", sp, 1) | {"label": "lookahead 1"} for sp in sps],
+                      "calibration")  # fmt: skip
+    si_rows = [r for r in calibration if r["kind"] == "SI"]
+    best = min(si_rows, key=lambda r: r["ms_per_token"])
     # The forward's cost at each measured mean of rows; a drafted level's rows (SI's tasks).
     cost = RowCost({1.0: calibration[0]["target_ms"]}
-                   | {r["target_rows"]: r["target_ms"] for r in calibration[1:]})  # fmt: skip
-    width = statistics.mean(r["level_width"] for r in calibration[1:])
-    by_level = level_cost(cost, width)
+                   | {r["target_rows"]: r["target_ms"] for r in si_rows})  # fmt: skip
+    width = statistics.mean(r["level_width"] for r in si_rows)
     drafter_ms, acceptance = best["drafter_ms"], best["chain_acceptance"]
     configs = [config("non-SI", 1, 1), config("SI", 1, best["lookahead"])]
-    for sp in sorted(pools):
+    for row in calibration[-len(sps) :]:  # DSI at lookahead 1: its forwards beside the drafter
+        sp, contention = row["sp"], max(1.0, row["target_ms"] / cost(row["target_rows"]))
+        chosen, pays = plan_lookahead(level_cost(cost, width), drafter_ms, sp, acceptance,
+                                      contention)  # fmt: skip
         lookaheads = {"Equation 1": min_lookahead(cost(1), drafter_ms, sp),
-                      "chosen": choose_lookahead(by_level, drafter_ms, sp, acceptance)}  # fmt: skip
-        if sweep:
-            lookaheads["lookahead 1"] = 1
+                      "chosen": chosen if pays else 0}  # fmt: skip
         for k in sorted(set(lookaheads.values())):
-            configs.append(
-                config("DSI", sp, k)
-                | {"label": ", ".join(n for n, v in lookaheads.items() if v == k)}
-            )
+            label = ", ".join(n for n, v in lookaheads.items() if v == k)
+            configs.append(config("DSI", sp, k) | {"label": label})
     rows = run(configs, "compared")
-    for row, c in zip(rows, configs):
-        row["lookahead_from"] = c.get("label", "")
+    for row in calibration + rows:
         row["predicted_ms_per_token"] = predict(row, cost, width, drafter_ms, acceptance,
                                                 args.tokens - 1, rng)  # fmt: skip
         row["prediction_error"] = row["ms_per_token"] / row["predicted_ms_per_token"] - 1
+        row["best_si"] = row is best or (row["kind"] == "SI" and row["phase"] == "compared")
+    for row in calibration[-len(sps) :] + rows:
         print(f"[{name}] {row['kind']:7} SP={row['sp']} L={row['lookahead']:2} "
               f"{row['lookahead_from']:24}: {row['ms_per_token']:6.1f} ms/token (predicted "
               f"{row['predicted_ms_per_token']:6.1f}, {row['prediction_error']:+.0%}) identical "
@@ -182,12 +194,9 @@ def section(name: str, engine, pools: dict, prompts, expected, params, args, rng
               f"{row['drafter_ms']:.2f} ms, acceptance {row['acceptance']:.2f} (chain "
               f"{row['chain_acceptance']:.2f}), wasted "
               f"{row['wasted_forwards_per_token']:.2f}/token", flush=True)  # fmt: skip
-    for row in rows:
-        row["best_si"] = row["kind"] == "SI"
     row_costs = {round(r, 1): round(cost(r), 1) for r in cost.rows}
     print(f"[{name}] target ms by rows {row_costs} ({width:.1f} rows a level), drafter "
-          f"{drafter_ms:.2f} ms, "
-          f"acceptance {acceptance:.2f}", flush=True)  # fmt: skip
+          f"{drafter_ms:.2f} ms, acceptance {acceptance:.2f}", flush=True)  # fmt: skip
     return calibration + rows
 
 
@@ -207,7 +216,8 @@ def pools_for(engine, sps: list[int], latency_s: float | None) -> dict[int, Targ
 
 
 def draw(result: dict, plt):
-    rows = [r for r in result["rows"] if r.get("phase") == "compared"]
+    rows = [r for r in result["rows"]
+            if r.get("phase") == "compared" or r.get("lookahead_from") == "lookahead 1"]  # fmt: skip
     names = list(dict.fromkeys(r["section"] for r in rows))
     fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), squeeze=False)
     for ax, name in zip(axes[0], names):
@@ -270,9 +280,18 @@ def main() -> None:
             for c in fractions if emulated else [None]:
                 label = name if c is None else f"{name} (drafter at {c:.0%} of target)"
                 draft_s = None if c is None else c * target_s
-                rows += section(label, engine, {sp: pools[sp] for sp in sorted(set(sps))} | {1: pools[1]},
-                                prompts, expected, params, args, rng, emulated, draft_s,
-                                sweep=name == "emulated")  # fmt: skip
+                rows += section(
+                    label,
+                    engine,
+                    {sp: pools[sp] for sp in sorted(set(sps))} | {1: pools[1]},
+                    prompts,
+                    expected,
+                    params,
+                    args,
+                    rng,
+                    emulated,
+                    draft_s,
+                )
         finally:
             for pool in pools.values():
                 pool.close()

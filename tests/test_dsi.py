@@ -14,6 +14,7 @@ import time
 import pytest
 
 from specinfer import Engine, SamplingParams
+from specinfer.dsi import mode as dsi_mode
 from specinfer.dsi.mode import DSIMode, choose_lookahead, server_spec
 from specinfer.dsi.servers import DSIError, TargetPool
 from specinfer.dsi.sim import level_cost
@@ -59,12 +60,17 @@ def test_dsi_greedy_equals_incremental(tiny_pair, reference, servers, lookahead)
             measured = engine.dsi.latencies
             assert measured["target_s"] > 0 and measured["drafter_s"] > 0
             assert len(measured["row_cost"].rows) >= 2 and 0 <= measured["acceptance"] <= 1
+            assert measured["contention"] >= 1
             cost = level_cost(measured["row_cost"], measured["level_width"])
             lookahead = choose_lookahead(cost, measured["drafter_s"], servers,
-                                         measured["acceptance"])  # fmt: skip
-        assert engine.dsi.lookahead == lookahead
+                                         measured["acceptance"], measured["contention"])  # fmt: skip
+        assert engine.dsi.drafting == (lookahead is not None)
+        assert engine.dsi.lookahead == (lookahead or 1)
     assert _ids(outs) == reference
     m = [o.metrics["dsi"] for o in outs]
+    if lookahead is None:  # drafting was expected not to pay here: the servers decode alone
+        assert all(x["drafted"] == 0 and x["blocks_verified"] >= 1 for x in m)
+        return
     # Whether a draft is verified here depends on timing: the tiny target can answer before the
     # drafter (a thread beside the orchestrator) has drafted, and DSI never waits for it. The
     # emulated servers' test below gives the drafter a head start and checks acceptance.
@@ -72,6 +78,53 @@ def test_dsi_greedy_equals_incremental(tiny_pair, reference, servers, lookahead)
     assert all(
         x["blocks_verified"] >= 1 and x["target_forwards"] >= x["blocks_verified"] for x in m
     )
+    assert _no_servers_left()
+
+
+def test_dsi_stops_drafting_where_the_simulator_expects_no_gain():
+    target_s, drafter_s = 0.05, 0.005  # a drafter at 10% of the target
+    # A good drafter pays on free cores; one whose drafts are mostly wrong, or a forward
+    # slowed 2x by sharing cores with it, does not.
+    assert choose_lookahead(target_s, drafter_s, 2, 0.8) >= 2
+    assert choose_lookahead(target_s, drafter_s, 2, 0.0) is None
+    assert choose_lookahead(target_s, drafter_s, 2, 0.5) is not None
+    assert choose_lookahead(target_s, drafter_s, 2, 0.5, contention=2.0) is None
+    # Stopping is monotone in the slowdown: once a slower forward stops drafting, slower ones do.
+    chosen = [choose_lookahead(target_s, drafter_s, 2, 0.6, c / 10) for c in range(10, 31)]
+    assert chosen[0] is not None and chosen[-1] is None
+    first_none = chosen.index(None)
+    assert all(c is None for c in chosen[first_none:])
+
+
+def test_dsi_that_stopped_drafting_still_probes_and_stays_exact(tiny_pair, reference, monkeypatch):  # noqa: F811
+    """Where drafting is not expected to pay, requests decode without drafts, but every
+    PROBE_EVERY-th drafts at the best lookahead and its measurements go into the next choice."""
+    monkeypatch.setattr(dsi_mode, "MIN_GAIN", 1.0)  # no drafting can save all of a token's time
+    target, other = tiny_pair
+    with Engine(target, dtype="float32", ssm=[other, "ngram"], mode="dsi",
+                target_servers=2) as engine:  # fmt: skip
+        assert not engine.dsi.drafting and engine.dsi.lookahead == 1
+        seen, orchestrator, with_drafter = dict(engine.dsi.seen), engine.dsi.orchestrator, []
+        best = engine.dsi.best  # the lookahead a probe drafts at
+        run = orchestrator.run
+
+        def recording_run(seq, emit):
+            with_drafter.append((orchestrator.drafter is not None, orchestrator.lookahead))
+            return run(seq, emit)
+
+        monkeypatch.setattr(orchestrator, "run", recording_run)
+        n = 2 * dsi_mode.PROBE_EVERY
+        outs = engine.generate(PROMPTS * (n // len(PROMPTS)), GREEDY)
+        assert not engine.dsi.drafting
+        learned = engine.dsi.seen
+    assert _ids(outs) == reference * (n // len(PROMPTS))
+    drafted = [i for i, (on, _) in enumerate(with_drafter) if on]
+    assert len(drafted) == 2 and drafted[1] - drafted[0] == dsi_mode.PROBE_EVERY
+    assert with_drafter[drafted[0]][1] == best
+    assert all(outs[i].metrics["dsi"]["draft_calls"] == 0 for i in range(n) if i not in drafted)
+    probes = [outs[i].metrics["dsi"] for i in drafted]
+    assert learned["draft_calls"] == seen["draft_calls"] + sum(m["draft_calls"] for m in probes)
+    assert learned["tested"] == seen["tested"] + sum(m["tested"] for m in probes)
     assert _no_servers_left()
 
 
@@ -302,8 +355,10 @@ def test_smollm_dsi_greedy_equals_incremental(smollm_gguf):
     params = SamplingParams(max_tokens=64, ignore_eos=True)
     with Engine(smollm_gguf, dtype="bfloat16", max_batch_size=1) as engine:
         reference = _ids(engine.generate(prompts, params))
+    # A fixed lookahead: this test is about exactness, and on two cores shared with the drafter
+    # DSI may choose not to draft at all (DSIMode).
     with Engine(smollm_gguf, dtype="bfloat16", ssm=["ngram", "default"], mode="dsi",
-                target_servers=2) as engine:  # fmt: skip
+                target_servers=2, lookahead=2) as engine:  # fmt: skip
         outs = engine.generate(prompts, params)
         lookahead = engine.dsi.lookahead
     same = sum(a == b for a, b in zip(_ids(outs), reference))

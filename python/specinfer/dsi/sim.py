@@ -221,17 +221,21 @@ def _dsi_round(run: DSIRun, start: int, t0: float, first_wrong: int, n: int,
             start_task(at, verified + 1, max(verified, drafted(at)) + 1)
 
 
-def best_lookahead(target_s: Latency, drafter_s: float, sp: int, acceptance: float,
-                   tokens: int = 64, runs: int = 40, seed: int = 0) -> int:  # fmt: skip
-    """The lookahead with the lowest expected DSI latency here (common random numbers across
-    the candidates; ties to the smaller). With a forward whose cost does not depend on its rows
-    that is about Equation 1's; where every row costs, a shorter block can win."""
+def expected_dsi(target_s: Latency, drafter_s: float, sp: int, acceptance: float,
+                 tokens: int = 64, runs: int = 40, seed: int = 0) -> dict[int, float]:  # fmt: skip
+    """DSI's expected seconds per token at each lookahead worth trying (common random numbers
+    across them): 1 up to Equation 1's with one-row forwards, past which a block only grows."""
     cost = _cost(target_s)
-    first = min_lookahead(cost(1), drafter_s, sp)
-    # Past Equation 1's lookahead (with one-row forwards) a block only grows, so stop there.
-    candidates = range(1, first + 1)
     rng = random.Random(seed)
     draws = [draw_correct(tokens, min(max(acceptance, 0.0), 1.0), rng) for _ in range(runs)]
-    mean = {k: statistics.mean(dsi(tokens, cost, drafter_s, c, k, sp).latency for c in draws)
-            for k in candidates}  # fmt: skip
-    return min(candidates, key=mean.__getitem__)
+    return {k: statistics.mean(dsi(tokens, cost, drafter_s, c, k, sp).latency for c in draws)
+            / tokens for k in range(1, min_lookahead(cost(1), drafter_s, sp) + 1)}  # fmt: skip
+
+
+def best_lookahead(target_s: Latency, drafter_s: float, sp: int, acceptance: float,
+                   tokens: int = 64, runs: int = 40, seed: int = 0) -> int:  # fmt: skip
+    """The lookahead with the lowest expected DSI latency here (ties to the smaller). With a
+    forward whose cost does not depend on its rows that is about Equation 1's; where every row
+    costs, a shorter block can win."""
+    expected = expected_dsi(target_s, drafter_s, sp, acceptance, tokens, runs, seed)
+    return min(expected, key=expected.__getitem__)
