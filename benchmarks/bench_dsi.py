@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_spec import load_prompts  # noqa: E402
 from results_io import save  # noqa: E402
 from specinfer import Engine, SamplingParams  # noqa: E402
-from specinfer.dsi.mode import DSIMode, plan_lookahead, server_spec  # noqa: E402
+from specinfer.dsi.mode import DSIMode, plan_lookahead, server_spec, time_row_costs  # noqa: E402
 from specinfer.dsi.servers import TargetPool  # noqa: E402
 from specinfer.dsi.sim import (  # noqa: E402
     RowCost,
@@ -165,11 +165,14 @@ def section(name: str, engine, pools: dict, prompts, expected, params, args, rng
                       "calibration")  # fmt: skip
     si_rows = [r for r in calibration if r["kind"] == "SI"]
     best = min(si_rows, key=lambda r: r["ms_per_token"])
-    # The forward's cost at each measured mean of rows; a drafted level's rows (SI's tasks).
-    cost = RowCost({1.0: calibration[0]["target_ms"]}
-                   | {r["target_rows"]: r["target_ms"] for r in si_rows})  # fmt: skip
-    width = statistics.mean(r["level_width"] for r in si_rows)
+    width = statistics.mean(r["level_width"] for r in si_rows)  # a drafted level's rows
     drafter_ms, acceptance = best["drafter_ms"], best["chain_acceptance"]
+    # A forward's cost by rows, timed as DSI times it, up to the longest block compared.
+    ids, tokens = expected[0]
+    if emulated:
+        pools[1].set_trace(ids + tokens)
+    timed = time_row_costs(pools[1], ids + tokens[:8], drafter_ms / 1000, sps, width)
+    cost = RowCost({r: 1000 * timed(r) for r in timed.rows})
     configs = [config("non-SI", 1, 1), config("SI", 1, best["lookahead"])]
     for row in calibration[-len(sps) :]:  # DSI at lookahead 1: its forwards beside the drafter
         sp, contention = row["sp"], max(1.0, row["target_ms"] / cost(row["target_rows"]))

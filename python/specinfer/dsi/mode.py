@@ -22,6 +22,7 @@ slowdown keep being measured and the choice is made again. A given lookahead alw
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import warnings
@@ -98,22 +99,11 @@ class DSIMode:
         seq = engine.make_sequence(WARMUP, SamplingParams(max_tokens=12, ignore_eos=True))
         engine.add_sequence(seq)
         self.step(engine)
-        self.seen = {k: seq.metrics["dsi"][k] for k in LEARNED}
-        drafter_s = self.seen["draft_s"] / max(1, self.seen["draft_calls"])
-        context, timed = seq.prompt_ids + seq.output_ids, {}
-
-        def time_rows(rows: int) -> float:
-            timed[rows] = min(self.pool.time_forward(context, rows) for _ in range(2))
-            return timed[rows]
-
-        servers = len(self.pool.alive)
-        top = min(MAX_LOOKAHEAD, min_lookahead(time_rows(1), drafter_s, servers)) + 1
-        rows = 2
-        while rows < top:
-            time_rows(rows)
-            rows = 2 * rows - 1  # 2, 3, 5, 9, 17, ...
-        time_rows(top)
-        self.row_cost = RowCost(timed)
+        self.seen = seen = {k: seq.metrics["dsi"][k] for k in LEARNED}
+        drafter_s = seen["draft_s"] / max(1, seen["draft_calls"])
+        width = level_width(seen["compute_rows"], seen["compute_levels"], seen["compute_n"])
+        self.row_cost = time_row_costs(self.pool, seq.prompt_ids + seq.output_ids, drafter_s,
+                                       [len(self.pool.alive)], width)  # fmt: skip
         self._choose()
 
     def _choose(self) -> None:
@@ -194,6 +184,21 @@ class DSIMode:
 
     def close(self) -> None:
         self.pool.close()
+
+
+def time_row_costs(pool: TargetPool, context: list[int], drafter_s: float, servers: list[int],
+                   width: float = 1.0) -> RowCost:  # fmt: skip
+    """A server's forward (best of two) after `context` over 1, 2, 3, 5, 9, ... rows, up to a
+    block of Equation 1's lookahead with the most of `servers` (one-row forwards) and `width`
+    drafted nodes a level."""
+    timed = {1: min(pool.time_forward(context, 1) for _ in range(2))}
+    lookahead = min(MAX_LOOKAHEAD, max(min_lookahead(timed[1], drafter_s, n) for n in servers))
+    top, rows = 1 + math.ceil(width * lookahead), 2
+    while rows < top:
+        timed[rows] = min(pool.time_forward(context, rows) for _ in range(2))
+        rows = 2 * rows - 1  # 2, 3, 5, 9, 17, ...
+    timed[top] = min(pool.time_forward(context, top) for _ in range(2))
+    return RowCost(timed)
 
 
 def plan_lookahead(target_s: Latency, drafter_s: float, servers: int, acceptance: float,
