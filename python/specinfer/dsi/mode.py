@@ -47,6 +47,7 @@ RECHOOSE = 0.05  # choose the lookahead again when the acceptance rate moves thi
 # (the drafter thread beside the orchestrator, more messages, preempted tasks) cost DSI 1-2%
 # against non-SI in bench_dsi's runs where neither gains.
 MIN_GAIN = 0.03
+TIMINGS = 3  # a forward's cost is the best of this many timings
 PROBE_EVERY = 8  # while not drafting, every 8th request drafts, to learn if it pays by now
 # A drafting request's metrics the choice is made from: acceptance, drafter and forward times.
 LEARNED = ("accepted", "accepted_main", "tested", "draft_s", "draft_calls", "compute_s",
@@ -188,16 +189,20 @@ class DSIMode:
 
 def time_row_costs(pool: TargetPool, context: list[int], drafter_s: float, servers: list[int],
                    width: float = 1.0) -> RowCost:  # fmt: skip
-    """A server's forward (best of two) after `context` over 1, 2, 3, 5, 9, ... rows, up to a
-    block of Equation 1's lookahead with the most of `servers` (one-row forwards) and `width`
-    drafted nodes a level."""
-    timed = {1: min(pool.time_forward(context, 1) for _ in range(2))}
+    """A server's forward after `context` over 1, 2, 3, 5, 9, ... rows (the best of TIMINGS:
+    this machine's noise is one-sided), up to a block of Equation 1's lookahead with the most of
+    `servers` (one-row forwards) and `width` drafted nodes a level."""
+
+    def best(rows: int) -> float:
+        return min(pool.time_forward(context, rows) for _ in range(TIMINGS))
+
+    timed = {1: best(1)}
     lookahead = min(MAX_LOOKAHEAD, max(min_lookahead(timed[1], drafter_s, n) for n in servers))
     top, rows = 1 + math.ceil(width * lookahead), 2
     while rows < top:
-        timed[rows] = min(pool.time_forward(context, rows) for _ in range(2))
+        timed[rows] = best(rows)
         rows = 2 * rows - 1  # 2, 3, 5, 9, 17, ...
-    timed[top] = min(pool.time_forward(context, top) for _ in range(2))
+    timed[top] = best(top)
     return RowCost(timed)
 
 
