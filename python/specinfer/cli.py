@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="with --mode dsi: drafted tokens per verification task (default: the one with "
         "the lowest expected latency, at most Equation 1's, from the drafter's latency, a "
-        "server's forward cost by rows and the acceptance rate, measured at start)",
+        "server's forward cost by rows and the acceptance rate, measured at start; where no "
+        "lookahead is expected to pay, the servers decode without drafts)",
     )
     gen.add_argument(
         "--whole-trees",

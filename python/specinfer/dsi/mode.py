@@ -11,8 +11,9 @@ for a few rows and the pick is near Equation 1's; on a CPU every row costs, and 
 win. The acceptance rate is updated as requests finish, and the lookahead chosen again when it
 moves.
 
-Where the servers and the drafter share cores, a forward is slower while the drafter runs (the
-drafting requests measure by how much: their forwards against the timed ones). When the
+Where the servers and the drafter share cores (or memory bandwidth), a forward is slower while
+the drafter runs (the drafting requests measure by how much: their forwards against the timed
+ones). When the
 simulator, so slowed, does not expect DSI at its best lookahead to save MIN_GAIN over decoding
 without drafts, DSI decodes without them (the servers alone, a task per token) and `drafting` is
 False: Theorem 1's "never slower than non-SI" kept where its assumption, a core for each, does
