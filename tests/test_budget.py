@@ -237,6 +237,26 @@ def test_a_drafter_carried_by_a_cheaper_ones_nodes_stops_on_its_own_cost():
         assert [1 in run for run in runs] == [True] * 4 + [not stops]
 
 
+def test_of_two_drafters_proposing_the_same_nodes_the_costlier_stops_the_other_drafts_on():
+    """Drafters 0 and 1 (say two SSMs) both propose 1 2 3, nearly always accepted: neither
+    proposes a node of its own, yet either alone pays its drafting time. The costlier one stops
+    after PATIENCE steps; the other, judged without it, keeps drafting."""
+    budget = SteepCosts(steepness=0.001)  # rows nearly free: the cut keeps every node
+    budget.time_step(1, 1, 0, 0)
+    both = _chain([1, 2, 3], source=1, tree=_chain([1, 2, 3], source=0))
+    budget.observe([both] * 30, [[0, 1, 2, 3]] * 30)
+    runs = []
+    for _ in range(8):
+        runs.append(budget.drafts(2))
+        tree = TokenTree(9)
+        for source in sorted(runs[-1]):
+            _chain([1, 2, 3], source=source, tree=tree)
+        budget.choose([tree], GREEDY, draft_s=[0.6, 0.5])
+    assert all(1 in run for run in runs)
+    assert [0 in run for run in runs[: PATIENCE + 1]] == [True] * PATIENCE + [False]
+    assert budget.stopped() == {0}
+
+
 class RowCosts(TreeBudget):
     """A forward costs 10 ms plus 1 ms per row (requests x width); nothing is timed."""
 

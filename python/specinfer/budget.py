@@ -21,8 +21,9 @@ batches on a CPU) a step becomes plain decoding by itself.
 
 Drafting that only feeds the cut is time lost, so a drafter whose every node the cut dropped in
 its last PATIENCE steps stops drafting for the requests that may be cut (`drafts`); it drafts
-again after 2, then 4, ... 64 skipped steps, and resumes for good once the cut keeps a node of
-it (the text became predictable, the batch shrank). A retry that could not pay at the batch
+again after 2, then 4, ... 64 skipped steps, and resumes for good once it earns its place again
+(the text became predictable, the batch shrank), judged the step after its retry (the retry's
+drafting includes catching up). A retry that could not pay at the batch
 size by the learned costs is refused without drafting and backs off the same way, unless the
 batch shrinks. The cut prices a step with the drafting already done (it is spent whatever is
 kept); whether drafting pays at all is the step's expected tokens per second against plain
@@ -30,7 +31,8 @@ decoding's, which drafts nothing: where plain decoding would have been faster, t
 as one with every node cut for all its drafters. And
 each drafter must earn its own drafting time: the nodes only it proposed must be worth at least
 what its drafting time yields at the step's rate, else it counts as cut too (a cheap drafter's
-accepted nodes, prompt lookup's, must not carry an SSM that costs more than it adds). When all
+accepted nodes, prompt lookup's, must not carry an SSM that costs more than it adds). Of
+drafters proposing the same nodes, only the costlier stops: the others are judged without it. When all
 drafters stop, a step is plain decoding: no SSM forward at all. Lossless for the same reason
 as the cut.
 
@@ -167,8 +169,9 @@ class TreeBudget:
         kept a node of it and, its drafting time known, the nodes only it proposed are worth at
         least what that time yields at the step's rate: else the step would have been faster
         without it (the cut keeps whatever was drafted, so a cheap drafter's good nodes can
-        carry an expensive one's, e.g. prompt lookup and an SSM at 4 requests)."""
-        proposed, kept_any, own_gain = set(), set(), {}
+        carry an expensive one's, e.g. prompt lookup and an SSM at 4 requests). Of drafters
+        that fall short, the furthest leaves first; "only it" then counts without it."""
+        proposed, kept_by = set(), []  # kept_by: (value, drafters) of every kept node
         for tree, keep, order, value in zip(trees, kept, orders, values):
             if order is None:  # kept whole by rule: says nothing about the drafter's worth
                 continue
@@ -178,18 +181,31 @@ class TreeBudget:
                 proposed.add(source)
                 if child in keep:
                     sources.setdefault(child, set()).add(source)
-            for child, by in sources.items():
-                kept_any |= by
-                if len(by) == 1:
-                    (only,) = by
-                    own_gain[only] = own_gain.get(only, 0.0) + value[child]
+            kept_by += [(value[child], by) for child, by in sources.items()]
+        used = set().union(*(by for _, by in kept_by)) if score is not None else set()
+        # A drafter back from a stop drafted with catching up: its time says little, so it is
+        # kept on trial (one more step decides) and its nodes do not count against the others.
+        on_trial = used & self._resumed
+        used -= on_trial
+        # Drafters that propose the same nodes (two SSMs, both right on the easy tokens) each
+        # add little of their own, and would stop together though either alone pays: the one
+        # that falls furthest short leaves first, and the others are judged without it.
+        while draft_s is not None:
+            own_gain = dict.fromkeys(used, 0.0)
+            for value, by in kept_by:
+                if len(by & used) == 1:
+                    (only,) = by & used
+                    own_gain[only] += value
+            short = {i: own_gain[i] - score * draft_s[i] for i in used}
+            worst = min(short, key=short.get, default=None)
+            if worst is None or short[worst] >= 0:
+                break
+            used.discard(worst)
         for i in proposed:
-            used = score is not None and i in kept_any
-            if used and draft_s is not None and i not in self._resumed:
-                used = own_gain.get(i, 0.0) >= score * draft_s[i]
-            self._idle[i] = 0 if used else self._idle.get(i, 0) + 1
-            if used:
-                self._explore[i] = EXPLORE[0]
+            if i in used:
+                self._idle[i], self._explore[i] = 0, EXPLORE[0]
+            else:
+                self._idle[i] = PATIENCE - 1 if i in on_trial else self._idle.get(i, 0) + 1
 
     def drafts(self, drafters: int, batch: int = 1) -> frozenset[int]:
         """Which of the `drafters` (ids 0..drafters-1) should draft this step's `batch` trees
