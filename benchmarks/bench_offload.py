@@ -2,15 +2,16 @@
 layers streamed from disk each forward (offload="disk"), incremental and speculative, in one run.
 
     python benchmarks/bench_offload.py [--prompts 8] [--tokens 64] [--trees 2,2,2,1,1,1,1,1]
-                                       [--device cpu] [--dtype bfloat16] [--threads 2]
+                                       [--drafting default+ngram feature+ngram] [--device cpu] [--dtype bfloat16] [--threads 2]
                                        [--out results/offload.json]
 
 Every configuration has its own engine, all open at once (each warmed up on the first prompt);
 the held-out chat prompts go one at a time (batch 1, greedy) through every configuration in
 turn, the order rotated each prompt, so the drift of a shared disk's speed hits all alike:
 resident and disk-offloaded, incremental, speculative with the default
-drafting (the shipped SSM + prompt lookup, tree sized by the cost model) and with each --trees
-config (whole trees). Bytes streamed per generated token are the layer bytes of every target
+drafting (the shipped SSM + prompt lookup, tree sized by the cost model), with each other
+--drafting (drafters joined by "+", merged into one tree, sized the same way) and with each
+--trees config (the default drafting's whole trees). Bytes streamed per generated token are the layer bytes of every target
 forward (prefill included) over the tokens generated; the disk's read bandwidth is measured by
 itself (O_DIRECT reads of the layer file, nothing else running) and as the reader thread saw
 it while decoding. With --device cuda the offloaded rows are offload="cpu" (pinned host memory
@@ -73,6 +74,7 @@ def row(name: str, kwargs: dict, engine: Engine, outs: list, read0: tuple) -> di
         "name": name,
         "offload": kwargs.get("offload"),
         "mode": kwargs.get("mode", "speculative"),
+        "ssm": kwargs.get("ssm"),
         "tree": kwargs.get("tree"),
         "ms_per_token": 1000 * sum(o.metrics["decode_s"] for o in outs) / decoded,
         "tokens_per_step": decoded / steps,
@@ -119,6 +121,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--trees", nargs="*", default=["2,2,2,1,1,1,1,1"],
                     help="larger trees to run whole under offloading")  # fmt: skip
+    ap.add_argument("--drafting", nargs="*", default=[],
+                    help="more drafter sets, each drafters joined by '+' (e.g. default+feature+ngram)")  # fmt: skip
     ap.add_argument("--offload-dir", default=None, help="(default: a temporary folder)")
     ap.add_argument("--prompts-file", default=str(HERE / "data" / "held_out.jsonl"))
     ap.add_argument("--out", default=str(HERE / "results" / "offload.json"))
@@ -129,12 +133,13 @@ def main() -> None:
     modes = ["cpu", "disk"] if args.device.startswith("cuda") else ["disk"]
     with tempfile.TemporaryDirectory(prefix="specinfer-offload-") as tmp:
         folder = args.offload_dir or tmp
-        plan = [("resident incremental", {"mode": "incremental"}),
-                ("resident speculative", spec)]  # fmt: skip
+        drafting = [("", spec)] + [(f" {d}", {"ssm": d.split("+")}) for d in args.drafting]
+        plan = [("resident incremental", {"mode": "incremental"})]
+        plan += [(f"resident speculative{name}", ssm) for name, ssm in drafting]
         for mode in modes:
             off = {"offload": mode, "offload_dir": folder}
-            plan += [(f"{mode} incremental", {"mode": "incremental", **off}),
-                     (f"{mode} speculative", {**spec, **off})]  # fmt: skip
+            plan += [(f"{mode} incremental", {"mode": "incremental", **off})]
+            plan += [(f"{mode} speculative{name}", {**ssm, **off}) for name, ssm in drafting]
             plan += [(f"{mode} tree {t}", {**spec, **off, "tree": t, "adaptive_tree": False})
                      for t in args.trees]  # fmt: skip
         with ExitStack() as stack:
