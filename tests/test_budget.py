@@ -74,7 +74,7 @@ def test_cut_keeps_the_most_valuable_nodes_and_their_parents():
         tree = _chain([1, 2, 3], source=0)
         _chain([4, 5, 6], source=1, tree=tree)
         budget.observe([tree], [[0, 1, 2, 3]])  # the first drafter's chain
-    assert budget.rate(0, 3) > 0.9 and budget.rate(1, 1) < 0.1
+    assert budget.rate(0, 3) > 0.9 and budget.rate(1, 1, contested=True) < 0.1
     tree = _chain([7, 8, 9], source=0)
     _chain([4, 5, 6], source=1, tree=tree)
     kept = budget.choose([tree], GREEDY)[0]
@@ -237,10 +237,34 @@ def test_a_drafter_carried_by_a_cheaper_ones_nodes_stops_on_its_own_cost():
         assert [1 in run for run in runs] == [True] * 4 + [not stops]
 
 
+def test_a_drafter_stops_when_its_drafting_and_its_rows_together_cost_more_than_it_adds():
+    """Drafter 0 (nearly free) proposes 1 2 3, drafter 1 proposes 4; each path is accepted half
+    the time, and each row costs. The cut keeps node 4 (its drafting is spent by then) and node
+    4 is worth more than drafter 1's drafting time yields at the step's rate (0.2 s: 0.18
+    tokens), but not more than that time and its row together: drafter 1 stops. Cheaper
+    drafting (0.01 s) pays."""
+
+    def draft():
+        return _chain([4], source=1, tree=_chain([1, 2, 3], source=0))
+
+    for ssm_s, stops in ((0.2, True), (0.01, False)):
+        budget = SteepCosts(steepness=0.05)
+        budget.time_step(1, 1, 0, 0)
+        for i in range(30):
+            budget.observe([draft()], [[0, 1, 2, 3] if i % 2 else [0, 4]])
+        runs = []
+        for _ in range(5):
+            runs.append(budget.drafts(2))
+            assert 4 in budget.choose([draft()], GREEDY, draft_s=[0.001, ssm_s])[0]
+        assert all(0 in run for run in runs)
+        assert [1 in run for run in runs] == [True] * 4 + [not stops]
+
+
 def test_of_two_drafters_proposing_the_same_nodes_the_costlier_stops_the_other_drafts_on():
     """Drafters 0 and 1 (say two SSMs) both propose 1 2 3, nearly always accepted: neither
     proposes a node of its own, yet either alone pays its drafting time. The costlier one stops
-    after PATIENCE steps; the other, judged without it, keeps drafting."""
+    after PATIENCE steps; the other, judged without it, keeps drafting, also in the step the
+    costlier one is retried."""
     budget = SteepCosts(steepness=0.001)  # rows nearly free: the cut keeps every node
     budget.time_step(1, 1, 0, 0)
     both = _chain([1, 2, 3], source=1, tree=_chain([1, 2, 3], source=0))
@@ -252,9 +276,23 @@ def test_of_two_drafters_proposing_the_same_nodes_the_costlier_stops_the_other_d
         for source in sorted(runs[-1]):
             _chain([1, 2, 3], source=source, tree=tree)
         budget.choose([tree], GREEDY, draft_s=[0.6, 0.5])
+        assert budget._idle[1] == 0  # not even when drafter 0 drafts again on trial
     assert all(1 in run for run in runs)
     assert [0 in run for run in runs[: PATIENCE + 1]] == [True] * PATIENCE + [False]
     assert budget.stopped() == {0}
+
+
+def test_of_two_drafters_as_good_the_one_with_the_longer_back_off_leaves():
+    """Drafters 0 and 1 propose the same chain at the same cost: one must leave, and the one
+    stopped more often lately (the longer back-off) does, so the two do not take turns."""
+    both = _chain([1, 2, 3], source=1, tree=_chain([1, 2, 3], source=0))
+    for challenger in (0, 1):
+        budget = SteepCosts(steepness=0.001)
+        budget.time_step(1, 1, 0, 0)
+        budget.observe([both] * 30, [[0, 1, 2, 3]] * 30)
+        budget._explore = {challenger: 8}
+        budget.choose([both], GREEDY, draft_s=[0.5, 0.5])
+        assert budget._idle == {challenger: 1, 1 - challenger: 0}
 
 
 class RowCosts(TreeBudget):
@@ -283,6 +321,23 @@ def test_rates_follow_the_verifications():
     r1, r2, r3 = (budget.rate(0, d) for d in (1, 2, 3))
     assert r1 > 0.9 and r2 < 0.15
     assert r3 == pytest.approx(r2)  # never tested: leans on the depth above
+
+
+def test_rates_are_learned_apart_where_drafters_disagree():
+    """Two drafters: where they propose the same token it is always accepted, where they
+    propose different ones neither is. A node two drafters disagree on is valued by the rate of
+    disagreements, not by its drafter's rate overall (0.5 for both here)."""
+    budget = TreeBudget()
+
+    def draft(agree):
+        tree = _chain([1], source=0)
+        return _chain([1 if agree else 2], source=1, tree=tree)
+
+    for i in range(40):
+        budget.observe([draft(i % 2)], [[0, 1] if i % 2 else [0]])
+    assert budget.values(draft(True))[1] > 0.8
+    assert max(budget.values(draft(False))[1:]) < 0.2
+    assert budget.rate(0, 1, contested=True) < 0.2 < 0.8 < budget.rate(0, 1)
 
 
 def test_rates_are_learned_per_rank_among_siblings():

@@ -23,18 +23,18 @@ Drafting that only feeds the cut is time lost, so a drafter whose every node the
 its last PATIENCE steps stops drafting for the requests that may be cut (`drafts`); it drafts
 again after 2, then 4, ... 64 skipped steps, and resumes for good once it earns its place again
 (the text became predictable, the batch shrank), judged the step after its retry (the retry's
-drafting includes catching up). A retry that could not pay at the batch
-size by the learned costs is refused without drafting and backs off the same way, unless the
-batch shrinks. The cut prices a step with the drafting already done (it is spent whatever is
-kept); whether drafting pays at all is the step's expected tokens per second against plain
-decoding's, which drafts nothing: where plain decoding would have been faster, the step counts
-as one with every node cut for all its drafters. And
-each drafter must earn its own drafting time: the nodes only it proposed must be worth at least
-what its drafting time yields at the step's rate, else it counts as cut too (a cheap drafter's
-accepted nodes, prompt lookup's, must not carry an SSM that costs more than it adds). Of
-drafters proposing the same nodes, only the costlier stops: the others are judged without it. When all
-drafters stop, a step is plain decoding: no SSM forward at all. Lossless for the same reason
-as the cut.
+drafting includes catching up). A retry that could not pay at the batch size by the learned
+costs is refused without drafting and backs off the same way, unless the batch shrinks. The cut
+prices a step with the drafting already done (it is spent whatever is kept); whether drafting
+pays at all is the step's expected tokens per second against plain decoding's, which drafts
+nothing: where plain decoding would have been faster, the step counts as one with every node cut
+for all its drafters. And each drafter must earn its own drafting time: the step must be
+expected to be at least as fast as without it (without its drafting time, the nodes only it
+proposed and the forward rows they take), else it counts as cut too (a cheap drafter's accepted
+nodes, prompt lookup's, must not carry an SSM that costs more than it adds). Of drafters that
+propose the same nodes, one leaves at a time, and the others are judged without it. When all
+drafters stop, a step is plain decoding: no SSM forward at all. Lossless for the same reason as
+the cut.
 
 An SSM given no tree config drafts a tree whose depth is chosen here too, each step, from the
 same costs (`depth`): its tree's levels have known widths, so the expected tokens of its k best
@@ -90,18 +90,21 @@ class TreeBudget:
         # catching up with what they skipped, so it does not say what their drafting costs.
         self._resumed: set[int] = set()
 
-    def rate(self, drafter: int, depth: int, rank: int = 0) -> float:
+    def rate(self, drafter: int, depth: int, rank: int = 0, contested: bool = False) -> float:
         """Conditional acceptance of a node `drafter` proposed at `depth` as its rank-th child of
-        a parent (0: its best). One seldom tested leans on the depth above (rank 0; 0.5 at
-        depth 1) or on the rank before, halved."""
-        key = (drafter, depth, rank)
+        a parent (0: its best); `contested`: another drafter proposed a different child there (it
+        disagrees, so the token is a harder one: two drafters' disagreeing nodes are not each as
+        good as either alone). One seldom tested leans on the uncontested rate, on the depth above
+        (rank 0; 0.5 at depth 1) or on the rank before, halved."""
+        key = (drafter, depth, rank, contested)
         if key in self._rates:
             return self._rates[key]
-        prior = (
-            (0.5 if depth == 1 else self.rate(drafter, depth - 1))
-            if rank == 0
-            else (self.rate(drafter, depth, rank - 1) / 2)
-        )
+        if contested:
+            prior = self.rate(drafter, depth, rank)
+        elif rank == 0:
+            prior = 0.5 if depth == 1 else self.rate(drafter, depth - 1)
+        else:
+            prior = self.rate(drafter, depth, rank - 1) / 2
         self._rates[key] = (self.accepted.get(key, 0.0) + PRIOR * prior) / (
             self.tested.get(key, 0.0) + PRIOR
         )  # kept until a verification changes the counts
@@ -110,8 +113,8 @@ class TreeBudget:
     def values(self, tree: TokenTree) -> list[float]:
         """Each node's chance of being accepted (the root: 1)."""
         best = [0.0] * len(tree)
-        for child, source, rank in zip(tree.prop_child, tree.prop_source, _ranks(tree)):
-            best[child] = max(best[child], self.rate(source, tree.depths[child], rank))
+        for child, source, kind in zip(tree.prop_child, tree.prop_source, _kinds(tree)):
+            best[child] = max(best[child], self.rate(source, tree.depths[child], *kind))
         value = [1.0]
         for n in range(1, len(tree)):  # parents come before children
             value.append(value[tree.parents[n]] * best[n])
@@ -156,22 +159,26 @@ class TreeBudget:
         kept = [keep if order is None else sorted([0] + order[: best - 1])
                 for keep, order in zip(whole, orders)]  # fmt: skip
         plain = len(trees) / max(self.rest + self.estimate(len(trees), 1), 1e-9)
-        self._note_idle(trees, kept, orders, values, best_score if best_score > plain else None,
-                        draft_s)  # fmt: skip
+        tokens = gains[best - 1] if best_score > plain else None
+        self._note_idle(trees, kept, orders, values, tokens, floor, draft_s)
         return kept
 
     def _note_idle(self, trees: list[TokenTree], kept: list[list[int]],
                    orders: list[list[int] | None], values: list[list[float]],
-                   score: float | None, draft_s: list[float] | None) -> None:  # fmt: skip
+                   tokens: float | None, floor: int, draft_s: list[float] | None) -> None:  # fmt: skip
         """Per drafter that proposed nodes in the trees that may be cut: whether it earned its
-        drafting. `score` is the chosen step's expected tokens per second, None where plain
-        decoding would have been faster (no drafter earned it). A drafter earns it when the cut
-        kept a node of it and, its drafting time known, the nodes only it proposed are worth at
-        least what that time yields at the step's rate: else the step would have been faster
-        without it (the cut keeps whatever was drafted, so a cheap drafter's good nodes can
-        carry an expensive one's, e.g. prompt lookup and an SSM at 4 requests). Of drafters
-        that fall short, the furthest leaves first; "only it" then counts without it."""
-        proposed, kept_by = set(), []  # kept_by: (value, drafters) of every kept node
+        drafting. `tokens` is the chosen step's expected tokens, None where plain decoding
+        would have been faster (no drafter earned it); `floor` the width of the trees kept
+        whole. A drafter earns it when the cut kept a node of it and, its drafting time known,
+        the step is expected to be at least as fast (tokens per second) as without it: without
+        its drafting time, the nodes only it proposed, and the rows they take in the forward
+        (the cut keeps whatever was drafted, so a cheap drafter's good nodes can carry an
+        expensive one's, e.g. prompt lookup and an SSM at 4 requests). Drafters that propose
+        the same nodes (two SSMs, both right on the easy tokens) each add little of their own
+        and would stop together though either alone pays: one leaves first (the one with the
+        longest back-off, then the one whose leaving speeds the step most), and the others are
+        judged without it."""
+        proposed, kept_by = set(), []  # per cut tree, the drafters of each kept node, and its value
         for tree, keep, order, value in zip(trees, kept, orders, values):
             if order is None:  # kept whole by rule: says nothing about the drafter's worth
                 continue
@@ -181,26 +188,38 @@ class TreeBudget:
                 proposed.add(source)
                 if child in keep:
                     sources.setdefault(child, set()).add(source)
-            kept_by += [(value[child], by) for child, by in sources.items()]
-        used = set().union(*(by for _, by in kept_by)) if score is not None else set()
+            kept_by.append([(by, value[child]) for child, by in sources.items()])
+        used = set().union(*(by for nodes in kept_by for by, _ in nodes)) if tokens else set()
         # A drafter back from a stop drafted with catching up: its time says little, so it is
-        # kept on trial (one more step decides) and its nodes do not count against the others.
+        # kept on trial (one more step decides), and the others are judged as if it had not
+        # drafted (its nodes must not push out one that was paying before it came back).
         on_trial = used & self._resumed
         used -= on_trial
-        # Drafters that propose the same nodes (two SSMs, both right on the easy tokens) each
-        # add little of their own, and would stop together though either alone pays: the one
-        # that falls furthest short leaves first, and the others are judged without it.
-        while draft_s is not None:
-            own_gain = dict.fromkeys(used, 0.0)
-            for value, by in kept_by:
-                if len(by & used) == 1:
-                    (only,) = by & used
-                    own_gain[only] += value
-            short = {i: own_gain[i] - score * draft_s[i] for i in used}
-            worst = min(short, key=short.get, default=None)
-            if worst is None or short[worst] >= 0:
-                break
-            used.discard(worst)
+        if draft_s is not None and used:
+            batch, gone = len(trees), set(on_trial)
+
+            def step_without(leaving: set[int]) -> tuple[float, float]:
+                """Expected tokens and seconds of the step had `leaving` not drafted."""
+                lost, width = 0.0, floor
+                for nodes in kept_by:
+                    stay = [v for by, v in nodes if not by <= leaving]
+                    lost += sum(v for _, v in nodes) - sum(stay)
+                    width = max(width, 1 + len(stay))
+                seconds = self.rest + self.drafting * batch + self.estimate(batch, width)
+                return tokens - lost, seconds - sum(draft_s[i] for i in leaving)
+
+            rate = lambda step: step[0] / max(step[1], 1e-9)  # noqa: E731
+            while used:
+                now = rate(step_without(gone))
+                faster = {i: rate(step_without(gone | {i})) - now for i in used}
+                short = [i for i in used if faster[i] > 0]
+                if not short:
+                    break
+                # The one with the longest back-off (stopped more often lately) leaves first:
+                # two drafters about as good would otherwise take turns, each paying a catch-up.
+                worst = max(short, key=lambda i: (self._explore.get(i, EXPLORE[0]), faster[i]))
+                gone.add(worst)
+                used.discard(worst)
         for i in proposed:
             if i in used:
                 self._idle[i], self._explore[i] = 0, EXPLORE[0]
@@ -325,9 +344,9 @@ class TreeBudget:
             self.accepted[key] *= DECAY
         for tree, path in zip(trees, paths):
             on_path = set(path)
-            for child, source, rank in set(zip(tree.prop_child, tree.prop_source, _ranks(tree))):
+            for child, source, kind in set(zip(tree.prop_child, tree.prop_source, _kinds(tree))):
                 if tree.parents[child] in on_path:
-                    key = (source, tree.depths[child], rank)
+                    key = (source, tree.depths[child], *kind)
                     self.tested[key] = self.tested.get(key, 0.0) + 1
                     self.accepted[key] = self.accepted.get(key, 0.0) + (child in on_path)
 
@@ -365,15 +384,22 @@ class TreeBudget:
             floor, below = max(floor, self.cost[r]), r
 
 
-def _ranks(tree: TokenTree) -> list[int]:
+def _kinds(tree: TokenTree) -> list[tuple[int, bool]]:
     """Per proposal, its rank among its drafter's proposals under the same parent (drafters
-    propose their children best first)."""
+    propose their children best first), and whether another drafter proposed a child there
+    that this one did not."""
     seen: dict[tuple[int, int], int] = {}
     ranks = []
-    for parent, source in zip(tree.prop_parent, tree.prop_source):
+    by_parent: dict[int, dict[int, set[int]]] = {}  # parent -> drafter -> its children there
+    for parent, child, source in zip(tree.prop_parent, tree.prop_child, tree.prop_source):
         ranks.append(seen.get((parent, source), 0))
         seen[(parent, source)] = ranks[-1] + 1
-    return ranks
+        by_parent.setdefault(parent, {}).setdefault(source, set()).add(child)
+    return [
+        (rank, any(not kids <= by_parent[parent][source]
+                   for other, kids in by_parent[parent].items() if other != source))
+        for rank, parent, source in zip(ranks, tree.prop_parent, tree.prop_source)
+    ]  # fmt: skip
 
 
 def must_draft(params: SamplingParams) -> bool:
