@@ -165,7 +165,8 @@ class TreeBudget:
 
     def _note_idle(self, trees: list[TokenTree], kept: list[list[int]],
                    orders: list[list[int] | None], values: list[list[float]],
-                   tokens: float | None, floor: int, draft_s: list[float] | None) -> None:  # fmt: skip
+                   tokens: float | None, floor: int,
+                   draft_s: list[float] | None) -> None:  # fmt: skip
         """Per drafter that proposed nodes in the trees that may be cut: whether it earned its
         drafting. `tokens` is the chosen step's expected tokens, None where plain decoding
         would have been faster (no drafter earned it); `floor` the width of the trees kept
@@ -178,7 +179,7 @@ class TreeBudget:
         and would stop together though either alone pays: one leaves first (the one with the
         longest back-off, then the one whose leaving speeds the step most), and the others are
         judged without it."""
-        proposed, kept_by = set(), []  # per cut tree, the drafters of each kept node, and its value
+        proposed, kept_by = set(), []  # per cut tree: each kept node's drafters and value
         for tree, keep, order, value in zip(trees, kept, orders, values):
             if order is None:  # kept whole by rule: says nothing about the drafter's worth
                 continue
@@ -189,7 +190,9 @@ class TreeBudget:
                 if child in keep:
                     sources.setdefault(child, set()).add(source)
             kept_by.append([(by, value[child]) for child, by in sources.items()])
-        used = set().union(*(by for nodes in kept_by for by, _ in nodes)) if tokens else set()
+        used = set().union(*(by for nodes in kept_by for by, _ in nodes))
+        if tokens is None:
+            used = set()
         # A drafter back from a stop drafted with catching up: its time says little, so it is
         # kept on trial (one more step decides), and the others are judged as if it had not
         # drafted (its nodes must not push out one that was paying before it came back).
