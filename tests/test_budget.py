@@ -213,6 +213,15 @@ def test_stopped_drafters_are_those_idle_for_patience_steps():
     assert budget.stopped() == {0}
 
 
+def _steps(budget, draft, draft_s, n=5):
+    """n steps of two drafters: which drafted at each, and what the cut kept of draft()."""
+    runs, kept = [], []
+    for _ in range(n):
+        runs.append(budget.drafts(2))
+        kept.append(budget.choose([draft()], GREEDY, draft_s=draft_s)[0])
+    return runs, kept
+
+
 def test_a_drafter_carried_by_a_cheaper_ones_nodes_stops_on_its_own_cost():
     """Drafter 0 (prompt lookup: nearly free) proposes 1 2 3, always accepted; drafter 1 (an SSM)
     proposes 4, accepted 1 time in 3. The step pays and the cut keeps node 4 either way; drafter
@@ -228,11 +237,8 @@ def test_a_drafter_carried_by_a_cheaper_ones_nodes_stops_on_its_own_cost():
         budget.time_step(1, 1, 0, 0)
         for i in range(30):
             budget.observe([draft()], [[0, 1, 2, 3] if i % 3 else [0, 4]])
-        runs = []
-        for _ in range(5):
-            runs.append(budget.drafts(2))
-            kept = budget.choose([draft()], GREEDY, draft_s=[0.001, ssm_s])[0]
-            assert 4 in kept and 3 in kept  # the cut keeps both drafters' nodes
+        runs, kept = _steps(budget, draft, [0.001, ssm_s])
+        assert all(4 in k and 3 in k for k in kept)  # the cut keeps both drafters' nodes
         assert all(0 in run for run in runs)
         assert [1 in run for run in runs] == [True] * 4 + [not stops]
 
@@ -252,10 +258,8 @@ def test_a_drafter_stops_when_its_drafting_and_its_rows_together_cost_more_than_
         budget.time_step(1, 1, 0, 0)
         for i in range(30):
             budget.observe([draft()], [[0, 1, 2, 3] if i % 2 else [0, 4]])
-        runs = []
-        for _ in range(5):
-            runs.append(budget.drafts(2))
-            assert 4 in budget.choose([draft()], GREEDY, draft_s=[0.001, ssm_s])[0]
+        runs, kept = _steps(budget, draft, [0.001, ssm_s])
+        assert all(4 in k for k in kept)
         assert all(0 in run for run in runs)
         assert [1 in run for run in runs] == [True] * 4 + [not stops]
 
