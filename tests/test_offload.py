@@ -68,8 +68,7 @@ def test_bytes_streamed_are_counted_per_request_and_per_forward(tiny_pair, tmp_p
 @pytest.mark.parametrize("resident", [0, 1], ids=["3 streamed", "2 streamed"])
 def test_op_graphs_replay_over_streamed_layers(tiny_pair, tmp_path, resident):  # noqa: F811
     # bfloat16 runs compiled ops only, so forwards are recorded (in segments split where a
-    # streamed layer is brought in) and replayed; an odd count of streamed layers puts the last
-    # and the first in one buffer, so the first is read only when the next forward needs it.
+    # streamed layer is brought in) and replayed, while the reader fills the buffers ahead.
     target, other = tiny_pair
     kwargs = dict(SPEC, ssm=[other, "ngram"], dtype="bfloat16")
     resident_ids = _run(target, GREEDY, **kwargs)
@@ -80,6 +79,45 @@ def test_op_graphs_replay_over_streamed_layers(tiny_pair, tmp_path, resident):  
         assert _ids(engine.generate(PROMPTS, GREEDY)) == resident_ids
         assert graphs.replays > 0 and not graphs._refused
         assert streamer.bytes - before == (engine.runner.forwards - forwards) * streamer.layer_bytes
+
+
+@pytest.mark.parametrize("layers, most, ahead", [(5, 3, 1), (6, 3, 2), (4, 2, 1), (1, 4, 0)])
+def test_the_reader_runs_ahead_into_free_buffers_only(layers, most, ahead, monkeypatch):
+    # Layers streamed from packed bytes through a ring of `most` buffers, three forwards. After
+    # each layer has run and the reads started so far are done, its buffer still holds its bytes
+    # (no read went into the buffer of the layer running) and so does every buffer read ahead;
+    # after a forward the next one's first `ahead` layers are read already; every forward reads
+    # every layer once, in order; outputs are the resident layers'.
+    torch.manual_seed(0)
+    resident = [torch.nn.Linear(8, 8) for _ in range(layers)]
+    streamed = [torch.nn.Linear(8, 8) for _ in range(layers)]
+    layout = offload.Layout(resident[0])
+    packed = torch.empty(layers, layout.stride, dtype=torch.uint8)
+    for k, layer in enumerate(resident):
+        layout.pack(layer, packed[k])
+    reads = []
+
+    def fetch(k, host):
+        reads.append(k)
+        return host.copy_(packed[k])
+
+    monkeypatch.setattr(offload, "READ_AHEAD", most * layout.stride)
+    streamer = offload.LayerStreamer(dict(enumerate(streamed)), layout, fetch,
+                                     torch.device("cpu"), host_buffers=True)  # fmt: skip
+    holds = lambda k: torch.equal(streamer.host[k % streamer.slots], packed[k])  # noqa: E731
+    x = torch.randn(2, 8)
+    for _ in range(3):
+        want, got = x, x
+        for k in range(layers):
+            want, got = resident[k](want), streamed[k](got)
+            streamer.pool.submit(lambda: None).result()  # the reads started so far are done
+            assert holds(k) and all(holds(j) for j, _ in streamer.ahead)
+        assert torch.equal(got, want)
+        assert [k for k, _ in streamer.ahead] == list(range(ahead))
+    streamer.close()
+    assert streamer.slots == min(most, layers)
+    assert reads == (list(range(layers)) * 4)[: 3 * layers + ahead]
+    assert streamer.bytes == 3 * layers * layout.stride
 
 
 def test_resident_layers_stay_and_the_rest_stream(tiny_pair, tmp_path):  # noqa: F811

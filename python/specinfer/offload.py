@@ -12,9 +12,13 @@ buffering). A token tree verified in one such pass yields several tokens per wei
 
 Embeddings, the final norm, the LM head, the KV cache and the SSMs stay resident, and so do the
 first `resident` layers (a model that half fits; a layer-selected SSM's layers). Each streamed
-layer's parameters are views of one of the two buffers, always the same one for a layer (the
-k-th streamed layer's is buffer k % 2); a forward pre-hook waits for its bytes and starts the
-next layer's. So an op graph (graphs.py) recorded over the layers stays valid: it is recorded
+layer's parameters are views of one of a ring of buffers, always the same one for a layer (the
+k-th streamed layer's is buffer k % slots); a forward pre-hook waits for its bytes and starts
+reading the next layers into every buffer no longer in use, so the reader runs ahead by several
+layers: across a layer that computes faster than it reads, and across the end of a forward into
+the next one's first layers while the step drafts and verifies (with two buffers, the time
+between forwards would be lost to the reader). The ring holds READ_AHEAD bytes at most (two
+buffers at least). An op graph (graphs.py) recorded over the layers stays valid: it is recorded
 in segments split at these hooks (`split`), and a replay calls `bring_in` before each segment.
 """
 
@@ -27,6 +31,7 @@ import logging
 import os
 import shutil
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -39,6 +44,7 @@ MODES = ("cpu", "disk")
 ALIGN = 4096  # O_DIRECT: file offsets, sizes and buffer addresses in multiples of the block size
 PARAM_ALIGN = 64  # each parameter's start within a layer, for vector loads
 FORMAT = 1  # of the layer file; a manifest of another format is not trusted
+READ_AHEAD = 64 << 20  # bytes of the ring of layer buffers (at least two layers)
 
 
 class OffloadError(RuntimeError):
@@ -221,9 +227,9 @@ class DiskReader:
 
 
 class LayerStreamer:
-    """Streams `layers` ({layer index: module}, in forward order) into two buffers; see the
-    module docstring. `fetch(k, host_buffer)` returns the host tensor holding streamed layer k's
-    bytes: read into host_buffer (disk) or a slice of pinned memory (cpu)."""
+    """Streams `layers` ({layer index: module}, in forward order) into a ring of buffers; see
+    the module docstring. `fetch(k, host_buffer)` returns the host tensor holding streamed layer
+    k's bytes: read into host_buffer (disk) or a slice of pinned memory (cpu)."""
 
     def __init__(self, layers: dict[int, nn.Module], layout: Layout, fetch, device: torch.device,
                  host_buffers: bool, closers=(), path: Path | None = None):  # fmt: skip
@@ -232,20 +238,21 @@ class LayerStreamer:
         self.layout, self.fetch, self.device = layout, fetch, device
         self.path = path  # the layer file ("disk"), else None
         self.cuda = device.type == "cuda"
+        self.slots = _ring_size(len(self.order), max(2, READ_AHEAD // layout.stride))
         cpu = torch.device("cpu")
         self.host = [aligned_buffer(layout.stride, cpu, pin=self.cuda) if host_buffers else None
-                     for _ in range(2)]  # fmt: skip
-        self.slots = ([aligned_buffer(layout.stride, device) for _ in range(2)] if self.cuda
-                      else self.host)  # fmt: skip
+                     for _ in range(self.slots)]  # fmt: skip
+        self.buffers = ([aligned_buffer(layout.stride, device) for _ in range(self.slots)]
+                        if self.cuda else self.host)  # fmt: skip
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device)
-            self.free = [torch.cuda.Event() for _ in range(2)]
-            self.ready = [torch.cuda.Event() for _ in range(2)]
-        self.params = [layout.views(slot) for slot in self.slots]
+            self.free = [torch.cuda.Event() for _ in range(self.slots)]
+            self.ready = [torch.cuda.Event() for _ in range(self.slots)]
+        self.params = [layout.views(buffer) for buffer in self.buffers]
         self.owners = {i: [_owner(layer, name) for name, *_ in layout.entries]
                        for i, layer in layers.items()}  # fmt: skip
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="specinfer-offload")
-        self.pending = None  # (streamed layer k, future of its read into buffer k % 2)
+        self.ahead = deque()  # (streamed layer k, future of its read into buffer k % slots)
         # Called with a layer's index once its bytes are in, before it runs: a graph that
         # records splits there (graphs.py), so its replay brings the layer in at that point.
         self.split = None
@@ -271,47 +278,53 @@ class LayerStreamer:
         if self.cuda:
             with torch.cuda.stream(self.copy_stream):
                 self.copy_stream.wait_event(self.free[slot])
-                self.slots[slot].copy_(src, non_blocking=True)
+                self.buffers[slot].copy_(src, non_blocking=True)
                 self.ready[slot].record(self.copy_stream)
             self.ready[slot].synchronize()  # the host buffer may be refilled after this
         self.read_s += time.perf_counter() - start
 
     def _start(self, k: int) -> None:
-        slot = k % 2
+        slot = k % self.slots
         if self.cuda:  # the copy into `slot` waits for the work queued on it so far
             self.free[slot].record(torch.cuda.current_stream(self.device))
-        self.pending = (k, self.pool.submit(self._load, k, slot))
+        self.ahead.append((k, self.pool.submit(self._load, k, slot)))
 
     def bring_in(self, i: int) -> None:
-        """Before layer i runs: its bytes are in its buffer, bound to its parameters; the next
-        layer's read started into the other buffer (after the last layer: the first, for the
-        next forward, unless an odd count of layers puts both in one buffer)."""
+        """Before layer i runs (the layer before it has run, so its buffer is free): its bytes
+        are in its buffer, bound to its parameters, and the next layers' reads are started into
+        every free buffer, in forward order, wrapping round to the next forward's first."""
         k = self.pos[i]
-        slot = k % 2
-        if self.pending is None or self.pending[0] != k:  # first use, or a forward broke off
+        if not self.ahead or self.ahead[0][0] != k:  # first use, or a forward broke off
             self._drain()
             self._start(k)
-        _, future = self.pending
+        _, future = self.ahead.popleft()
         start = time.perf_counter()
         future.result()
         self.wait_s += time.perf_counter() - start
+        slot = k % self.slots
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(self.ready[slot])
         self._bind(i, slot)
         self.bytes += self.layout.stride
-        following = (k + 1) % len(self.order)
-        if following % 2 != slot:
+        busy = {slot} | {j % self.slots for j, _ in self.ahead}
+        following = (self.ahead[-1][0] if self.ahead else k) + 1
+        while len(busy) < self.slots:
+            following %= len(self.order)
+            if following % self.slots in busy:  # the ring wraps unevenly round a forward
+                break
+            busy.add(following % self.slots)
             self._start(following)
-        else:
-            self.pending = None
+            following += 1
         if self.split is not None:
             self.split(i)
 
     def _drain(self) -> None:
-        if self.pending is not None:
-            _, future = self.pending
-            self.pending = None
-            future.exception()  # a failed prefetch is retried by the layer that needs it
+        """Drop the reads ahead: cancelled if not begun, else waited for (they write into
+        buffers about to be reused); a failed one is retried by the layer that needs it."""
+        while self.ahead:
+            _, future = self.ahead.popleft()
+            if not future.cancel():
+                future.exception()
 
     def close(self) -> None:
         self._drain()
@@ -319,6 +332,15 @@ class LayerStreamer:
         for close in self._closers:
             close()
         self._closers = []
+
+
+def _ring_size(layers: int, most: int) -> int:
+    """Buffers for `layers` streamed layers, `most` at most: a layer keeps its buffer (k % size),
+    so at the end of a forward the next one's first (layers - 1) % size layers can be read ahead
+    (then the last layer's buffer is needed): the size that reads most there, then the larger."""
+    if layers <= 2:
+        return layers
+    return max(range(2, min(layers, most) + 1), key=lambda size: ((layers - 1) % size, size))
 
 
 def _owner(layer: nn.Module, name: str) -> tuple[nn.Module, str]:
