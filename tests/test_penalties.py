@@ -191,9 +191,9 @@ def test_the_test_detects_an_unpenalised_proposal_distribution(tiny_pair, exact_
     real_expand = Speculator._expand
     unpenalised = {}
 
-    def expand(self, tree, nodes, logits, width, params, generator):
+    def expand(self, tree, nodes, logits, width, params, generator, paths):
         start = len(tree.q_rows)
-        real_expand(self, tree, nodes, logits, width, params, generator)
+        real_expand(self, tree, nodes, logits, width, params, generator, paths)
         for i, row in enumerate(range(start, len(tree.q_rows))):
             tree.q_rows[row] = unpenalised["q"][i]
 

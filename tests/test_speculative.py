@@ -63,7 +63,10 @@ def restricted_ssm(tiny_pair, tmp_path_factory):
 # -- greedy: token-identical --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("tree", ["1,1,3,1", "2,2,2", "3,1,1,1,1"])
+BEAM = TreeConfig((3, 3, 2, 2), beam=2)  # only a level's two likeliest nodes get children
+
+
+@pytest.mark.parametrize("tree", ["1,1,3,1", "2,2,2", "3,1,1,1,1", BEAM], ids=str)
 @pytest.mark.parametrize("ssm_kind", ["other", "self", "layers"])
 def test_greedy_tree_equals_incremental_tiny(tiny_pair, tree, ssm_kind):
     target, other = tiny_pair
@@ -183,6 +186,29 @@ def test_head_token_ids_choice(tmp_path):
     assert drafting.head_token_ids(tmp_path, None, VOCAB) == HEAD_TOKENS
     assert drafting.head_token_ids(tmp_path, 2, VOCAB) == HEAD_TOKENS[:2]
     assert drafting.head_token_ids(tmp_path, 0, VOCAB) is None
+
+
+def test_a_beam_tree_keeps_in_the_ssm_cache_only_nodes_the_ssm_ran(tiny_pair):
+    """With a beam, an accepted node the SSM gave no children has no K/V in the SSM's cache:
+    after each request, the SSM's cache over its tokens is what a fresh prefill of them makes
+    (a stale slot kept as an accepted node's would differ from it)."""
+    from types import SimpleNamespace
+
+    target, other = tiny_pair
+    engine = Engine(target, dtype="float32", ssm=other, tree=BEAM, adaptive_tree=False)
+    ssm = engine.drafter.ssms[0]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    for prompt in [PROMPT, [3], [5, 5, 1, 0, 2, 4, 4], [2, 3]]:
+        out = engine.generate(prompt, params)[0]
+        (row,) = [r for r, n in enumerate(ssm.cached) if n > 0]
+        n = ssm.cached[row]
+        assert n > len(prompt) + 8  # accepted paths were kept
+        fresh = Speculator(ssm.model, BEAM)
+        fresh.reset(1, 128)
+        fresh.prefill([SimpleNamespace(row=0)], [(prompt + out.token_ids)[:n]])
+        for mine, theirs in zip(ssm.kv.k + ssm.kv.v, fresh.kv.k + fresh.kv.v):
+            torch.testing.assert_close(mine[row, :, :n], theirs[0, :, :n], atol=1e-4, rtol=1e-4)
+        ssm.cached[row] = 0  # the next prompt may take another row
 
 
 def test_ssm_runs_no_forward_for_its_last_level(tiny_pair):
@@ -582,7 +608,7 @@ def test_filtered_exact_joints_differ(exact, exact_filtered):
     assert sum(p == 0 for p in exact_filtered["top_p 0.8"].values()) > VOCAB**3 / 2
 
 
-def _wrong_ratio_on_topk(self, tree, nodes, logits, width, params, generator):
+def _wrong_ratio_on_topk(self, tree, nodes, logits, width, params, generator, paths):
     """Top-k children verified as if they were drawn from the SSM's distribution: biased."""
     from specinfer.sampling import probabilities
 
@@ -592,7 +618,7 @@ def _wrong_ratio_on_topk(self, tree, nodes, logits, width, params, generator):
             tree.propose(node, t, row)
 
 
-def _forget_multiplicity(self, tree, nodes, logits, width, params, generator):
+def _forget_multiplicity(self, tree, nodes, logits, width, params, generator, paths):
     """Sampled children with duplicate draws collapsed to one proposal: biased."""
     from specinfer.sampling import probabilities
 

@@ -21,11 +21,20 @@ def test_paper_default_config():
         ({"widths": ()}, "must not be empty"),
         ({"widths": (1, 0, 2)}, "positive integers"),
         ({"widths": (4, 4, 4), "max_nodes": 64}, "85 nodes, more than max_nodes=64"),
+        ({"widths": (2, 2), "beam": 0}, "beam must be a positive integer"),
+        ({"widths": (2, 2), "beam": 1, "sample_children": True}, "sample_children must be"),
     ],
 )
 def test_bad_configs_are_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
         TreeConfig(**kwargs)
+
+
+def test_a_beam_expands_that_many_nodes_a_level():
+    cfg = TreeConfig((4, 4, 2, 2), beam=3)
+    assert cfg.level_sizes == [4, 12, 6, 6]  # 4 nodes; 3 of them x 4; 3 x 2; 3 x 2
+    assert cfg.num_nodes == 1 + 4 + 12 + 6 + 6
+    assert TreeConfig((4, 4, 2, 2), max_nodes=128).level_sizes == [4, 16, 32, 64]
 
 
 def test_parse_rejects_garbage():

@@ -37,8 +37,8 @@ drafters stop, a step is plain decoding: no SSM forward at all. Lossless for the
 the cut.
 
 An SSM given no tree config drafts a tree whose depth is chosen here too, each step, from the
-same costs (`depth`): its tree's levels have known widths, so the expected tokens of its k best
-nodes follow from the rates, and a step drafting d levels costs d SSM levels (timed per SSM)
+same costs (`depth`): its tree's levels have known widths (and a beam: how many of a level's
+nodes get children), so the expected tokens of its k best nodes follow from the rates, and a step drafting d levels costs d SSM levels (timed per SSM)
 plus the target forward at width 1 + k. Where extra rows are nearly free (weights streamed from
 disk, a GPU) trees grow deep; where each row costs (this CPU, resident), they stay shallow.
 Seeded sampling requests draft SEEDED_DEPTH levels: a fixed shape, whatever the timings.
@@ -281,17 +281,21 @@ class TreeBudget:
                 return True
         return False
 
-    def depth(self, drafter: int, widths: tuple[int, ...], batch: int) -> int:
-        """How many levels of its tree (widths per level) `drafter` should draft this step for
-        `batch` requests: the depth of the node count k that maximises expected tokens per
-        second, k nodes taken best first (level by level: values only fall with depth), at
-        least 1 (whether to draft at all is `drafts`'). Untried depths lean on the depth above
-        (`rate`), untried widths on the timed ones (`estimate`); trees grow from one level as
-        far as the timings show that rows are cheap."""
+    def depth(self, drafter: int, widths: tuple[int, ...], batch: int,
+              beam: int | None = None) -> int:  # fmt: skip
+        """How many levels of its tree (widths per level; `beam`: only that many of a level's
+        nodes, its best, get children) `drafter` should draft this step for `batch` requests:
+        the depth of the node count k that maximises expected tokens per second, k nodes taken
+        best first (level by level: values only fall with depth), at least 1 (whether to draft
+        at all is `drafts`'). Untried depths lean on the depth above (`rate`), untried widths
+        on the timed ones (`estimate`); trees grow from one level as far as the timings show
+        that rows are cheap."""
         level_s = self.level_s.get(drafter, 0.0) * batch  # a level's forward, for the batch
         nodes, level = [], [1.0]  # (value, depth) of every node; the values of the last level
         for d, width in enumerate(widths, start=1):
             rates = [self.rate(drafter, d, r) for r in range(width)]
+            if beam is not None:
+                level = sorted(level, reverse=True)[:beam]
             level = [v * r for v in level for r in rates]
             nodes += [(v, d) for v in level]
         nodes.sort(key=lambda n: (-n[0], n[1]))  # a child is worth at most its parent

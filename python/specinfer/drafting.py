@@ -22,9 +22,11 @@ from specinfer.tree import TokenTree, TreeConfig, merge_trees
 
 DEFAULT_HEAD = 8192  # tokens of head_tokens.json used when ssm_head is not given
 # The tree an SSM given no tree config drafts under the cost-aware budget, to the depth that
-# pays each step (budget.TreeBudget.depth); the cut then keeps its nodes that pay. Two
-# candidates a level near the root, where they are most often needed, a chain below.
-SIZED_TREE = TreeConfig((2, 2, 2, 1, 1, 1, 1, 1))
+# pays each step (budget.TreeBudget.depth); the cut then keeps its nodes that pay. Four
+# candidates at the first two levels, two below, and only the SSM's four likeliest nodes of a
+# level get children (EAGLE-2's dynamic tree): wide where the SSM is unsure, at four SSM rows
+# a level.
+SIZED_TREE = TreeConfig((4, 4, 2, 2, 2, 2, 2, 2), max_nodes=80, beam=4)
 
 
 class Drafter:

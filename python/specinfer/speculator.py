@@ -57,6 +57,8 @@ class Speculator:
         self.cached: list[int] = []  # per cache row: tokens of the request in the SSM's cache
         self.head_ids: torch.Tensor | None = None  # the LM head's vocabulary subset, if any
         self.head_weight: torch.Tensor | None = None
+        # Per cache row: the last draft's nodes the SSM ran (has K/V for), root included.
+        self.fed: dict[int, set[int]] = {}
 
     @property
     def num_nodes(self) -> int:
@@ -146,7 +148,10 @@ class Speculator:
         size = 2 * self.tree.num_nodes  # node ids, padding of the widest level included
         ancestors = torch.zeros(B, size, size, dtype=torch.bool)
         ancestors[:, :, 0] = True
-        frontier = [range(1) for _ in batch]  # node ids of each tree's newest level
+        frontier = [range(1) for _ in batch]  # node ids of each tree's nodes to expand next
+        paths = [[1.0] for _ in batch]  # per tree, per node: the SSM's path probability
+        for row in row_ids:
+            self.fed[row] = {0}
         for depth, width in enumerate(self.tree.widths, start=1):
             live = [b for b in range(B) if depth <= max_depths[b]]
             if not live:
@@ -160,15 +165,20 @@ class Speculator:
                 if r.penalties.active:
                     lg = r.penalties.apply(lg, r.output_ids, tree.branches(nodes), self.head_ids)
                 start = len(tree)
-                self._expand(tree, nodes, lg, width, r.params, r.generator)
+                self._expand(tree, nodes, lg, width, r.params, r.generator, paths[b])
                 frontier[b] = range(start, len(tree))
             self._add_level(ancestors, trees, frontier, live)
+            if self.tree.beam is not None:  # the level's likeliest come first (_expand)
+                frontier = [range(f.start, min(f.stop, f.start + self.tree.beam))
+                            for f in frontier]  # fmt: skip
             # Leaves (the last level, or the request's depth cap) need no SSM step.
             live = [b for b in live if depth < min(self.tree.depth, max_depths[b])]
             if not live:
                 break
             hidden = self._forward_level(rows[live], [trees[b] for b in live], ancestors[live],
                                          [frontier[b] for b in live], roots[live], depth)  # fmt: skip
+            for b in live:
+                self.fed[row_ids[b]].update(frontier[b])
             sizes = [len(frontier[b]) for b in live]
             picked = hidden[
                 torch.tensor([i for i, n in enumerate(sizes) for _ in range(n)], device=dev),
@@ -186,8 +196,7 @@ class Speculator:
         if not live:
             return
         rows, starts = [batch[b].row for b in live], [prefix[b] for b in live]
-        kept = [[n for n in paths[b] if trees[b].depths[n] < min(self.tree.depth, max_depths[b])]
-                for b in live]  # fmt: skip
+        kept = [[n for n in paths[b] if n in self.fed[row]] for b, row in zip(live, rows)]
         dev = self.kv.k[0].device
         args = torch.tensor(rows, device=dev), torch.tensor(starts, device=dev), _pad(kept, -1, dev)
         if hasattr(self.model, "commit_kv"):  # its cache is sharded over ranks (MirroredSSM)
@@ -206,15 +215,25 @@ class Speculator:
         return ops.linear(hidden, self.head_weight).float()
 
     def _expand(self, tree: TokenTree, nodes: list[int], logits: torch.Tensor, width: int,
-                params: SamplingParams, generator: torch.Generator) -> None:  # fmt: skip
-        """Give each of `nodes` its children; logits[i] is the SSM's prediction after nodes[i]."""
+                params: SamplingParams, generator: torch.Generator,
+                paths: list[float]) -> None:  # fmt: skip
+        """Give each of `nodes` its children; logits[i] is the SSM's prediction after nodes[i];
+        paths[n]: node n's path probability (the new nodes' appended)."""
         if params.greedy or not self.tree.sample_children:
-            # Deterministic top-k: each child is a point-mass proposal.
+            # Deterministic top-k: each child is a point-mass proposal, proposed likeliest
+            # path first (a node's children stay best first), so a beam is the level's start.
             k = min(width, logits.shape[-1])
-            tokens, _ = ops.topk_expand(logits, k, params.temperature)
-            for node, row in zip(nodes, self._vocab_ids(tokens).tolist()):
-                for t in row:
-                    tree.propose(node, t)
+            tokens, probs = ops.topk_expand(logits, k, params.temperature)
+            children = [
+                (paths[node] * p, node, t)
+                for node, row, ps in zip(nodes, self._vocab_ids(tokens).tolist(), probs.tolist())
+                for t, p in zip(row, ps)
+            ]
+            if self.tree.beam is not None:
+                children.sort(key=lambda c: -c[0])  # stable: ties keep the parents' order
+            for path, node, t in children:
+                if tree.propose(node, t) == len(paths):
+                    paths.append(path)
             return
         q = probabilities(logits, params.temperature, params.top_k, params.top_p)
         draws = self._vocab_ids(torch.multinomial(q, width, replacement=True, generator=generator))

@@ -24,11 +24,16 @@ import torch
 class TreeConfig:
     """Expansion config <k1, ..., km>: every node at depth i gets the top-k_{i+1} (or k_{i+1}
     sampled) children. `sample_children` applies to stochastic decoding only: draw children
-    i.i.d. from the SSM (the paper's stochastic setting) instead of taking its top-k."""
+    i.i.d. from the SSM (the paper's stochastic setting) instead of taking its top-k.
+    `beam`: of each level, only the `beam` nodes the SSM finds likeliest (the product of its
+    probabilities down the path) get children, as EAGLE-2's dynamic trees: a tree can then be
+    wide where the SSM is unsure and deep where it is sure, at `beam` SSM rows a level. Top-k
+    children only (a sampled child's draws are verified whole, whatever they drew)."""
 
     widths: tuple[int, ...] = (1, 1, 3, 1, 1, 1, 1, 1)
     max_nodes: int = 64
     sample_children: bool = False
+    beam: int | None = None
 
     def __post_init__(self):
         widths = tuple(self.widths)
@@ -37,6 +42,11 @@ class TreeConfig:
             raise ValueError("tree widths must not be empty (e.g. (1, 1, 3, 1))")
         if any(not isinstance(k, int) or k < 1 for k in widths):
             raise ValueError(f"tree widths must be positive integers, got {widths}")
+        if self.beam is not None and (not isinstance(self.beam, int) or self.beam < 1):
+            raise ValueError(f"tree beam must be a positive integer or None, got {self.beam!r}")
+        if self.beam is not None and self.sample_children:
+            raise ValueError("a tree with a beam takes top-k children: sample_children must be "
+                             "False")  # fmt: skip
         if self.num_nodes > self.max_nodes:
             raise ValueError(
                 f"tree {widths} has {self.num_nodes} nodes, more than max_nodes={self.max_nodes}; "
@@ -50,11 +60,16 @@ class TreeConfig:
     @property
     def num_nodes(self) -> int:
         """Nodes of the full tree, root included (sampled trees can be smaller: duplicates merge)."""
-        total, level = 1, 1
+        return sum(self.level_sizes) + 1
+
+    @property
+    def level_sizes(self) -> list[int]:
+        """Nodes at depth 1, 2, ... of the full tree."""
+        sizes, level = [], 1
         for k in self.widths:
-            level *= k
-            total += level
-        return total
+            level = min(level, self.beam or level) * k
+            sizes.append(level)
+        return sizes
 
     @classmethod
     def parse(cls, text: str, **kwargs) -> TreeConfig:

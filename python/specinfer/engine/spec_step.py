@@ -87,7 +87,8 @@ def _depths(i: int, ssm, seqs: list[Sequence], max_depths: list[int], runs: bool
     """SSM i's depth per request: 0 (no draft) where the budget leaves it out; a seeded
     request is drafted always (a sized SSM's tree: SEEDED_DEPTH levels, whatever the timings);
     a sized SSM drafts as deep as the budget finds it pays (sized SSMs come with a budget)."""
-    cap = budget.depth(i, ssm.tree.widths, len(seqs)) if ssm.sized and runs else None
+    sized = ssm.sized and runs
+    cap = budget.depth(i, ssm.tree.widths, len(seqs), ssm.tree.beam) if sized else None
     out = []
     for s, d in zip(seqs, max_depths):
         if must_draft(s.params):
