@@ -38,9 +38,10 @@ the cut.
 
 An SSM given no tree config drafts a tree whose depth is chosen here too, each step, from the
 same costs (`depth`): its tree's levels have known widths (and a beam: how many of a level's
-nodes get children), so the expected tokens of its k best nodes follow from the rates, and a step drafting d levels costs d SSM levels (timed per SSM)
-plus the target forward at width 1 + k. Where extra rows are nearly free (weights streamed from
-disk, a GPU) trees grow deep; where each row costs (this CPU, resident), they stay shallow.
+nodes get children), so the expected tokens of its k best nodes follow from the rates, and a
+step drafting d levels costs d SSM levels (timed per SSM) plus the target forward at width
+1 + k. Where extra rows are nearly free (weights streamed from disk, a GPU) trees grow deep;
+where each row costs (this CPU, resident), they stay shallow.
 Seeded sampling requests draft SEEDED_DEPTH levels: a fixed shape, whatever the timings.
 """
 

@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         "--tree",
         default=None,
         help="expansion config of the model SSMs, e.g. 1,1,3,1 (default: a tree drafted as deep "
-        "as the measured costs pay for, up to 2,2,2,1,1,1,1,1; with --whole-trees: 1 for the "
-        "shipped SSM, else the paper's 1,1,3,1,1,1,1,1)",
+        "as the measured costs pay for, up to 4,4,2,2,2,2,2,2 with a beam of 4; with "
+        "--whole-trees: 1 for the shipped SSM, else the paper's 1,1,3,1,1,1,1,1)",
     )
     gen.add_argument(
         "--mode",

@@ -1,6 +1,6 @@
 """Offloading: the target's decoder layers are not kept; every forward streams them in, layer by
-layer, into two reused buffers (the SpecInfer paper's offloading setting, FlexGen's double
-buffering). A token tree verified in one such pass yields several tokens per weight pass.
+layer, into a ring of reused buffers (the SpecInfer paper's offloading setting, FlexGen's double
+buffering, read further ahead). A token tree verified in one such pass yields several tokens per weight pass.
 
 - "disk": the layers live in a file written once from the checkpoint in the engine's dtype (in a
   cache folder, trusted only with its manifest, which is written last). A reader thread reads
@@ -338,8 +338,8 @@ def _ring_size(layers: int, most: int) -> int:
     """Buffers for `layers` streamed layers, `most` at most: a layer keeps its buffer (k % size),
     so at the end of a forward the next one's first (layers - 1) % size layers can be read ahead
     (then the last layer's buffer is needed): the size that reads most there, then the larger."""
-    if layers <= 2:
-        return layers
+    if layers == 1:
+        return 1
     return max(range(2, min(layers, most) + 1), key=lambda size: ((layers - 1) % size, size))
 
 
