@@ -195,20 +195,21 @@ def test_a_beam_tree_keeps_in_the_ssm_cache_only_nodes_the_ssm_ran(tiny_pair):
     from types import SimpleNamespace
 
     target, other = tiny_pair
-    engine = Engine(target, dtype="float32", ssm=other, tree=BEAM, adaptive_tree=False)
-    ssm = engine.drafter.ssms[0]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    for prompt in [PROMPT, [3], [5, 5, 1, 0, 2, 4, 4], [2, 3]]:
-        out = engine.generate(prompt, params)[0]
-        (row,) = [r for r, n in enumerate(ssm.cached) if n > 0]
-        n = ssm.cached[row]
-        assert n > len(prompt) + 8  # accepted paths were kept
-        fresh = Speculator(ssm.model, BEAM)
-        fresh.reset(1, 128)
-        fresh.prefill([SimpleNamespace(row=0)], [(prompt + out.token_ids)[:n]])
-        for mine, theirs in zip(ssm.kv.k + ssm.kv.v, fresh.kv.k + fresh.kv.v):
-            torch.testing.assert_close(mine[row, :, :n], theirs[0, :, :n], atol=1e-4, rtol=1e-4)
-        ssm.cached[row] = 0  # the next prompt may take another row
+    with Engine(target, dtype="float32", ssm=other, tree=BEAM, adaptive_tree=False) as engine:
+        ssm = engine.drafter.ssms[0]
+        for prompt in [PROMPT, [3], [5, 5, 1, 0, 2, 4, 4], [2, 3]]:
+            out = engine.generate(prompt, params)[0]
+            (row,) = [r for r, n in enumerate(ssm.cached) if n > 0]
+            n = ssm.cached[row]
+            assert n > len(prompt) + 8  # accepted paths were kept
+            fresh = Speculator(ssm.model, BEAM)
+            fresh.reset(1, 128)
+            fresh.prefill([SimpleNamespace(row=0)], [(prompt + out.token_ids)[:n]])
+            for mine, theirs in zip(ssm.kv.k + ssm.kv.v, fresh.kv.k + fresh.kv.v):
+                torch.testing.assert_close(mine[row, :, :n], theirs[0, :, :n], atol=1e-4,
+                                           rtol=1e-4)  # fmt: skip
+            ssm.cached[row] = 0  # the next prompt may take another row
 
 
 def test_ssm_runs_no_forward_for_its_last_level(tiny_pair):

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "cpu/cpu_features.h"
@@ -113,6 +112,14 @@ SPECINFER_TARGET(SPECINFER_AVX512) inline __m256i to_bf16x16(__m512 v) {
   return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
 }
 
+// 16 lanes into out[16] as from_float<T> converts them.
+SPECINFER_TARGET(SPECINFER_AVX512) inline void store16(float* out, __m512 v) {
+  _mm512_storeu_ps(out, v);
+}
+SPECINFER_TARGET(SPECINFER_AVX512) inline void store16(bf16* out, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), to_bf16x16(v));
+}
+
 // The MB x NB outputs of a tile at (m0, n0) from its accumulators, each the hsum512 of its own, as
 // store_output writes them. A full block of 4 weight rows reduces all at once (hsum512x16), adds
 // the bias and rounds in vectors: per output 3 ops instead of ~20.
@@ -144,16 +151,10 @@ inline void store_tile(const LinearProblem& p, int64_t m0, int64_t n0,
           to_float(bias[(n0 + 2) * p.bias_stride]), to_float(bias[(n0 + 3) * p.bias_stride]));
       sums = _mm512_add_ps(sums, _mm512_broadcast_f32x4(b));
     }
+    alignas(64) T out[16];
+    store16(out, sums);
     T* y = static_cast<T*>(p.y) + m0 * p.y_stride + n0;
-    if constexpr (std::is_same_v<T, float>) {
-      alignas(64) float out[16];
-      _mm512_store_ps(out, sums);
-      for (int i = 0; i < MB; ++i) std::memcpy(y + i * p.y_stride, out + 4 * i, 4 * sizeof(T));
-    } else {
-      alignas(32) uint16_t out[16];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(out), to_bf16x16(sums));
-      for (int i = 0; i < MB; ++i) std::memcpy(y + i * p.y_stride, out + 4 * i, 4 * sizeof(T));
-    }
+    for (int i = 0; i < MB; ++i) std::memcpy(y + i * p.y_stride, out + 4 * i, 4 * sizeof(T));
   }
 }
 

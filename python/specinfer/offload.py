@@ -1,6 +1,7 @@
 """Offloading: the target's decoder layers are not kept; every forward streams them in, layer by
 layer, into a ring of reused buffers (the SpecInfer paper's offloading setting, FlexGen's double
-buffering, read further ahead). A token tree verified in one such pass yields several tokens per weight pass.
+buffering, read further ahead). A token tree verified in one such pass yields several tokens per
+weight pass.
 
 - "disk": the layers live in a file written once from the checkpoint in the engine's dtype (in a
   cache folder, trusted only with its manifest, which is written last). A reader thread reads
