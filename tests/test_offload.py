@@ -5,6 +5,7 @@ written once and trusted only when complete; bad input is refused with a clear e
 
 import errno
 import logging
+import mmap
 import os
 
 import pytest
@@ -44,6 +45,42 @@ def test_disk_offload_is_bit_identical_to_resident(tiny_pair, tmp_path, dtype, s
         resident = _run(target, params, **kwargs)
         streamed = _run(target, params, offload="disk", offload_dir=tmp_path, **kwargs)
         assert streamed == resident
+
+
+def _mapping_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds `address`."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(x, 16) for x in head.split("-"))
+                inside = low <= address < high
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE") or not os.path.exists("/proc/self/smaps"),
+                    reason="transparent huge pages are a Linux feature")  # fmt: skip
+def test_large_host_buffers_are_huge_page_aligned_and_advised():
+    big = offload.aligned_buffer(3 << 20, torch.device("cpu"))
+    assert big.numel() == 3 << 20 and big.data_ptr() % offload.HUGE_PAGE == 0
+    big.fill_(7)
+    assert int(big.sum()) == 7 * (3 << 20)
+    assert "hg" in _mapping_flags(big.data_ptr())  # madvise(MADV_HUGEPAGE) took
+    small = offload.aligned_buffer(5000, torch.device("cpu"))
+    assert small.numel() == 5000 and small.data_ptr() % offload.ALIGN == 0
+
+
+def test_huge_page_ring_buffers_stream_bit_identically(tiny_pair, tmp_path, monkeypatch):  # noqa: F811
+    """The tiny model's layers are smaller than a huge page: shrink the threshold so its ring
+    takes the mmap path that real models' rings take."""
+    target, other = tiny_pair
+    kwargs = dict(SPEC, ssm=[other, "ngram"], dtype="bfloat16")
+    resident = _run(target, GREEDY, **kwargs)
+    monkeypatch.setattr(offload, "HUGE_PAGE", offload.ALIGN)
+    assert _run(target, GREEDY, offload="disk", offload_dir=tmp_path, **kwargs) == resident
 
 
 def test_bytes_streamed_are_counted_per_request_and_per_forward(tiny_pair, tmp_path):  # noqa: F811
