@@ -98,7 +98,7 @@ def row(name: str, kwargs: dict, engine: Engine, outs: list, read0: tuple) -> di
 def draw(result: dict, plt):
     rows = result["runs"]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4))
-    labels = [r["name"].replace(" ", "\n", 1) for r in rows]
+    labels = [r["name"].replace(" ", "\n") for r in rows]  # long names overlap on one line
     colors = ["tab:blue" if r["offload"] is None else "tab:orange" for r in rows]
     bars = ax.bar(range(len(rows)), [r["ms_per_token"] for r in rows], color=colors)
     for bar, r in zip(bars, rows):
@@ -109,7 +109,7 @@ def draw(result: dict, plt):
     ax.set_title("resident (blue) vs offloaded (orange)")
     off = [r for r in rows if r["offload"]]
     bx.bar(range(len(off)), [r["weight_bytes_per_token"] / 1e6 for r in off], color="tab:orange")
-    bx.set_xticks(range(len(off)), [r["name"].replace(" ", "\n", 1) for r in off], fontsize=7)
+    bx.set_xticks(range(len(off)), [r["name"].replace(" ", "\n") for r in off], fontsize=7)
     bx.set_ylabel("MB of weights streamed per generated token")
     s = result["settings"]
     bx.set_title(f"disk: {s['disk_mb_per_s']:.0f} MB/s O_DIRECT")
