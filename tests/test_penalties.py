@@ -66,6 +66,45 @@ def test_each_branch_is_penalised_as_its_own_sequence():
     assert torch.equal(sub, rows[:, head])
 
 
+def _dense(logits, prompt, output, branches, params, vocab_ids=None):
+    """The penalties over every column of every row (what apply computes on held columns)."""
+    V = 300
+    counts = torch.bincount(torch.tensor(output), minlength=V).float().expand(len(branches), -1)
+    counts = counts.clone()
+    for i, branch in enumerate(branches):
+        for t in branch:
+            counts[i, t] += 1
+    seen = torch.zeros(V, dtype=torch.bool)
+    seen[torch.tensor(prompt)] = True
+    seen = seen | (counts > 0)
+    if vocab_ids is not None:
+        counts, seen = counts[:, vocab_ids], seen[:, vocab_ids]
+    x = logits.float()
+    scaled = torch.where(x > 0, x / params.repetition_penalty, x * params.repetition_penalty)
+    x = torch.where(seen, scaled, x)
+    return x - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_penalised_columns_alone_give_the_dense_result_bit_for_bit(dtype):
+    """apply computes only the columns of held tokens: the same values, bit for bit, as the
+    whole rows, with a restricted vocabulary too; the caller's logits stay as they were."""
+    torch.manual_seed(2)
+    V, params = 300, SamplingParams(**PENALTIES)
+    prompt, output = [3, 3, 17, 250], [17, 40, 40, 299]
+    branches = [[], [40], [40, 7], [7, 7, 120], [299]]
+    logits = (torch.randn(len(branches), V) * 4).to(dtype)
+    before = logits.clone()
+    pen = Penalties(params, prompt, V)
+    ours = pen.apply(logits, output, branches)
+    assert ours.dtype == torch.float32 and torch.equal(logits, before)
+    assert torch.equal(ours, _dense(logits, prompt, output, branches, params))
+    head = torch.tensor([299, 7, 0, 17, 1])  # 120, 40 and 250 outside it
+    sub = pen.apply(logits[:, head], output, branches, head)
+    assert torch.equal(sub, _dense(logits[:, head], prompt, output, branches, params, head))
+    assert torch.equal(sub, ours[:, head])
+
+
 def test_tree_branches_are_root_to_node_tokens():
     tree = TokenTree(7)
     a = tree.propose(0, 1)

@@ -130,32 +130,42 @@ class Penalties:
     ) -> torch.Tensor:
         """Penalised float32 logits [N, C] (unchanged when no penalty is set). Row i follows
         output_ids + branches[i] (no branches: output_ids alone); column j is token
-        vocab_ids[j] (default: token j)."""
+        vocab_ids[j] (default: token j). Only the columns of tokens the request holds change,
+        so only those are computed (a tree's rows times the whole vocabulary would cost a
+        speculative step more than its drafting)."""
         p = self.params
         if not self.active:
             return logits
+        branches = branches or []
+        output = torch.tensor(output_ids, dtype=torch.long)
+        extra = torch.tensor([t for b in branches for t in b], dtype=torch.long)
+        held = self.in_prompt.clone()
+        held[output] = held[extra] = True
+        token_of = vocab_ids.cpu() if vocab_ids is not None else None
+        cols = (held if token_of is None else held[token_of]).nonzero()[:, 0]
+        tokens = cols if token_of is None else token_of[cols]
         rows = logits.shape[0]
-        counts = torch.bincount(
-            torch.tensor(output_ids, dtype=torch.long), minlength=self.vocab_size
-        )
+        counts = torch.bincount(output, minlength=self.vocab_size)[tokens]
         counts = counts.to(torch.float32).expand(rows, -1).clone()
-        if branches:
+        if len(extra):
+            local = torch.full((self.vocab_size,), -1, dtype=torch.long)
+            local[tokens] = torch.arange(len(tokens))
             row = torch.tensor([i for i, b in enumerate(branches) for _ in b], dtype=torch.long)
-            col = torch.tensor([t for b in branches for t in b], dtype=torch.long)
-            counts.index_put_((row, col), torch.ones(len(col)), accumulate=True)
-        seen = self.in_prompt | (counts > 0)
-        if vocab_ids is not None:
-            counts, seen = counts[:, vocab_ids.cpu()], seen[:, vocab_ids.cpu()]
-        counts, seen = counts.to(logits.device), seen.to(logits.device)
-        logits = logits.float()
+            col = local[extra]
+            inside = col >= 0  # a branch token outside the columns (vocab_ids) changes nothing
+            counts.index_put_((row[inside], col[inside]), torch.ones(int(inside.sum())),
+                              accumulate=True)  # fmt: skip
+        seen = self.in_prompt[tokens] | (counts > 0)
+        cols, counts, seen = (t.to(logits.device) for t in (cols, counts, seen))
+        out = logits.to(torch.float32, copy=True)
+        x = out[:, cols]
         if p.repetition_penalty != 1.0:
-            scaled = torch.where(
-                logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty
-            )
-            logits = torch.where(seen, scaled, logits)
+            scaled = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
+            x = torch.where(seen, scaled, x)
         if p.presence_penalty or p.frequency_penalty:
-            logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
-        return logits
+            x = x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
+        out[:, cols] = x
+        return out
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
