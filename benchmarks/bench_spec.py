@@ -118,7 +118,10 @@ def latency_ms(engine: Engine, prompts: list, tokens: int, batch: int, sampling=
         outs = engine.generate(group, params)
         return time.perf_counter() - t0, outs
 
-    run(groups[0], 2)  # warm-up
+    # Warm-up: a whole run, so op graphs are recorded for the shapes it reaches and the cut has
+    # learned its costs and rates, as in a server that has run a while (two tokens left a batch
+    # of 16 learning, at 2.5x the steady step time, for much of the first group).
+    run(groups[0], tokens)
     decode_s, outs, leads = 0.0, [], []
     for group in groups:
         first, _ = run(group, 1)
