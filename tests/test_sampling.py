@@ -50,6 +50,23 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert torch.allclose(p, torch.tensor([1.0, 0.0, 0.0, 0.0]))
 
 
+@pytest.mark.parametrize("scale", [0.3, 2.0, 8.0], ids=["flat", "peaked", "sharp"])
+def test_top_p_on_a_large_vocabulary_matches_a_full_sort(scale):
+    """The nucleus found over the largest k probabilities (k growing) is the one a full sort
+    gives, from one token to thousands, on several rows at once."""
+    torch.manual_seed(3)
+    logits = torch.randn(4, 5000) * scale
+    p = probabilities(logits, 0.8, top_p=0.9)
+    probs = torch.softmax(logits.float() / 0.8, -1)
+    top, order = probs.sort(-1, descending=True)
+    keep = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, top.cumsum(-1) - top < 0.9)
+    expected = probs.masked_fill(~keep, 0.0)
+    expected = expected / expected.sum(-1, keepdim=True)
+    assert torch.equal(p > 0, keep)
+    torch.testing.assert_close(p, expected, rtol=1e-5, atol=1e-7)
+    assert torch.allclose(p.sum(-1), torch.ones(4))
+
+
 def test_greedy_is_argmax_and_seeded_sampling_is_reproducible():
     logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
     assert next_token(logits, SamplingParams(), make_generator(0)) == int(logits.argmax())

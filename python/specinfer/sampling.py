@@ -91,17 +91,17 @@ def probabilities(
         # Keep a token if the mass before it (in descending order) is below top_p; the top token
         # always stays. Only the largest k probabilities are sorted, k growing until they hold
         # top_p (every later token then has at least that much before it): a full sort of the
-        # vocabulary costs milliseconds a row.
-        V, k = probs.shape[-1], min(probs.shape[-1], 256)
+        # vocabulary costs milliseconds a row. The kept ones, renormalised, are all that is
+        # written into a zeroed row (passes over the vocabulary are what this costs).
+        V, k = probs.shape[-1], min(probs.shape[-1], 32)
         while True:
             top, order = torch.topk(probs, k, dim=-1)
             mass = top.cumsum(-1)
             if k == V or bool((mass[..., -1] >= top_p).all()):
                 break
             k = min(V, 8 * k)
-        keep = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, (mass - top) < top_p)
-        probs = probs.masked_fill(~keep, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
+        top = top.masked_fill(mass - top >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, top / top.sum(-1, keepdim=True))
     return probs
 
 
