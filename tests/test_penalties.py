@@ -66,9 +66,8 @@ def test_each_branch_is_penalised_as_its_own_sequence():
     assert torch.equal(sub, rows[:, head])
 
 
-def _dense(logits, prompt, output, branches, params, vocab_ids=None):
+def _dense(logits, prompt, output, branches, params, V, vocab_ids=None):
     """The penalties over every column of every row (what apply computes on held columns)."""
-    V = 300
     counts = torch.bincount(torch.tensor(output), minlength=V).float().expand(len(branches), -1)
     counts = counts.clone()
     for i, branch in enumerate(branches):
@@ -98,10 +97,10 @@ def test_penalised_columns_alone_give_the_dense_result_bit_for_bit(dtype):
     pen = Penalties(params, prompt, V)
     ours = pen.apply(logits, output, branches)
     assert ours.dtype == torch.float32 and torch.equal(logits, before)
-    assert torch.equal(ours, _dense(logits, prompt, output, branches, params))
+    assert torch.equal(ours, _dense(logits, prompt, output, branches, params, V))
     head = torch.tensor([299, 7, 0, 17, 1])  # 120, 40 and 250 outside it
     sub = pen.apply(logits[:, head], output, branches, head)
-    assert torch.equal(sub, _dense(logits[:, head], prompt, output, branches, params, head))
+    assert torch.equal(sub, _dense(logits[:, head], prompt, output, branches, params, V, head))
     assert torch.equal(sub, ours[:, head])
 
 

@@ -140,7 +140,8 @@ class Penalties:
         output = torch.tensor(output_ids, dtype=torch.long)
         extra = torch.tensor([t for b in branches for t in b], dtype=torch.long)
         held = self.in_prompt.clone()
-        held[output] = held[extra] = True
+        held[output] = True
+        held[extra] = True
         token_of = vocab_ids.cpu() if vocab_ids is not None else None
         cols = (held if token_of is None else held[token_of]).nonzero()[:, 0]
         tokens = cols if token_of is None else token_of[cols]
