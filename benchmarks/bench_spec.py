@@ -329,8 +329,9 @@ def ngrams(base: dict, specs: list[str], prompts: list, tokens: int) -> dict:
 
 
 def paired(base: dict, args, prompts: list, batch: int = 1) -> dict:
-    """Each configuration on each group of `batch` prompts in turn; means over groups (equal
-    token counts)."""
+    """Each configuration on each group of `batch` prompts in turn, the order rotated each
+    group (the machine's drift and a run's place after another's then hit all alike); means
+    over groups (equal token counts)."""
     engines = {}
     for name in args.paired:
         whole = name.startswith("whole:")
@@ -343,9 +344,11 @@ def paired(base: dict, args, prompts: list, batch: int = 1) -> dict:
         engines[name] = Engine(**{**kw, "ssm": list(specs)}, tree=list(trees))
     runs = {name: [] for name in engines}
     groups = [prompts[i : i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
-    for group in groups:
-        for name, engine in engines.items():
-            runs[name].append(latency_ms(engine, group, args.tokens, batch, args.sampling))
+    names = list(engines)
+    for g, group in enumerate(groups):
+        for i in range(len(names)):
+            name = names[(g + i) % len(names)]
+            runs[name].append(latency_ms(engines[name], group, args.tokens, batch, args.sampling))
     result = {}
     for name, rows in runs.items():
         result[name] = {
