@@ -120,7 +120,7 @@ def latency_ms(engine: Engine, prompts: list, tokens: int, batch: int, sampling=
 
     # Warm-up: a whole run, so op graphs are recorded for the shapes it reaches and the cut has
     # learned its costs and rates, as in a server that has run a while (two tokens left a batch
-    # of 16 learning, at 2.5x the steady step time, for much of the first group).
+    # of 16 learning, at over twice the steady step time, for much of the first group).
     run(groups[0], tokens)
     decode_s, outs, leads = 0.0, [], []
     for group in groups:

@@ -148,14 +148,9 @@ class Penalties:
         rows = logits.shape[0]
         counts = torch.bincount(output, minlength=self.vocab_size)[tokens]
         counts = counts.to(torch.float32).expand(rows, -1).clone()
-        if len(extra):
-            local = torch.full((self.vocab_size,), -1, dtype=torch.long)
-            local[tokens] = torch.arange(len(tokens))
+        if len(extra):  # each branch token counts in its row, at its column if it has one
             row = torch.tensor([i for i, b in enumerate(branches) for _ in b], dtype=torch.long)
-            col = local[extra]
-            inside = col >= 0  # a branch token outside the columns (vocab_ids) changes nothing
-            counts.index_put_((row[inside], col[inside]), torch.ones(int(inside.sum())),
-                              accumulate=True)  # fmt: skip
+            counts.index_add_(0, row, (extra[:, None] == tokens[None, :]).float())
         seen = self.in_prompt[tokens] | (counts > 0)
         cols, counts, seen = (t.to(logits.device) for t in (cols, counts, seen))
         out = logits.to(torch.float32, copy=True)
