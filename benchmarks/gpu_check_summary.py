@@ -20,7 +20,11 @@ def load(path: str | None) -> dict | None:
     if not path or not os.path.exists(path):
         return None
     with open(path) as f:
-        return json.load(f)
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:  # e.g. the benchmark crashed while writing it
+            print(f"gpu_check_summary: {path} is not valid JSON ({e}); left out")
+            return None
 
 
 def bench_rows(bench: dict) -> list[dict]:

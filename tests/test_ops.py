@@ -329,7 +329,7 @@ def test_tree_attention_mixed_devices():
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [8, 64, 80, 128, 256])  # padded to 32, 64, 128, 128, 256
 @pytest.mark.parametrize("heads", [(9, 3), (4, 4), (32, 8)])
 @pytest.mark.parametrize("tokens", [1, 7, 20, 70])
 @pytest.mark.parametrize("layout", ["contiguous", "seq_major"])
@@ -352,7 +352,7 @@ def test_tree_attention_cuda(dtype, head_dim, heads, tokens, layout):
     tokens=st.integers(1, 130),
     prefix=st.lists(st.integers(0, 700), min_size=5, max_size=5),
     heads=st.sampled_from([(9, 3), (32, 32), (32, 8), (4, 4)]),
-    head_dim=st.sampled_from([64, 128]),
+    head_dim=st.sampled_from([8, 40, 64, 96, 128, 256]),
     dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
     index_dtype=st.sampled_from([torch.int32, torch.int64]),
     mask_dtype=st.sampled_from([torch.bool, torch.uint8]),
@@ -389,8 +389,9 @@ def test_tree_attention_cuda_errors():
     q, k, v, rows, prefix, mask = (t.cuda() for t in _bad_args())
     with pytest.raises(ValueError, match=r"cache_rows\[1\] = 9 is out of range"):
         ops.tree_attention(q, k, v, torch.tensor([0, 9], device="cuda"), prefix, mask)
-    with pytest.raises(ValueError, match="head_dim 32 is not supported on cuda"):
-        ops.tree_attention(q[..., :32], k[..., :32], v[..., :32], rows, prefix, mask)
+    wide = [t.repeat(1, 1, 1, 5) for t in (q, k, v)]  # head_dim 320
+    with pytest.raises(ValueError, match=r"head_dim 320 is not supported on cuda \(at most 256\)"):
+        ops.tree_attention(*wide, rows, prefix, mask)
 
 
 # --- linear ---

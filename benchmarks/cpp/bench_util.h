@@ -90,7 +90,7 @@ inline std::vector<KvMove> commit_moves(int64_t batch, int64_t prefix, int64_t t
   for (int64_t b = 0; b < batch; ++b) {
     int64_t depth = 1;
     for (int64_t node = 2; node < tokens; node = 2 * node + 2, ++depth) {
-      moves.push_back({b, prefix + node, prefix + depth});
+      moves.push_back({b, prefix + node, b, prefix + depth});
     }
   }
   return moves;

@@ -11,6 +11,7 @@ namespace cuda {
 namespace {
 
 constexpr const char* kOp = "tree_attention";
+constexpr int64_t kMaxHeadDim = 256;  // the widest kernel: 129 KB of shared memory
 
 // Copies a strided [B] or [B, MB] index tensor from the device into a row-major host vector;
 // the binding validates the values on the host.
@@ -65,12 +66,17 @@ void launch(const TreeAttentionParams& p, int batch, cudaStream_t stream) {
   check(cudaGetLastError(), kOp, "kernel launch");
 }
 
+// The kernel's padded width: head_dim rounded up to 32, 64, 128 or 256.
 template <typename T>
-void launch_dtype(const TreeAttentionParams& p, int batch, int head_dim, cudaStream_t stream) {
-  if (head_dim == 64) {
+void launch_dtype(const TreeAttentionParams& p, int batch, cudaStream_t stream) {
+  if (p.head_dim <= 32) {
+    launch<T, 32>(p, batch, stream);
+  } else if (p.head_dim <= 64) {
     launch<T, 64>(p, batch, stream);
-  } else {
+  } else if (p.head_dim <= 128) {
     launch<T, 128>(p, batch, stream);
+  } else {
+    launch<T, 256>(p, batch, stream);
   }
 }
 
@@ -84,8 +90,9 @@ void tree_attention_cuda(const TreeAttentionArgs& a, uintptr_t stream_handle) {
     fail(kOp, std::string(dtype_name(a.q.dtype)) +
                   " is not supported on cuda (use float16, bfloat16 or float32)");
   }
-  if (a.head_dim() != 64 && a.head_dim() != 128) {
-    fail(kOp, "head_dim " + std::to_string(a.head_dim()) + " is not supported on cuda (64 or 128)");
+  if (a.head_dim() > kMaxHeadDim) {
+    fail(kOp, "head_dim " + std::to_string(a.head_dim()) + " is not supported on cuda (at most " +
+                  std::to_string(kMaxHeadDim) + ")");
   }
   // Grid limits: x = batch * kv_heads, y = query-row blocks (at most 65535).
   if (a.batch() * a.kv_heads() >= (int64_t(1) << 31) ||
@@ -125,6 +132,7 @@ void tree_attention_cuda(const TreeAttentionArgs& a, uintptr_t stream_handle) {
   p.words = (p.mask_cols + 31) / 32;
   p.group = int(a.group());
   p.kv_heads = int(a.kv_heads());
+  p.head_dim = int(a.head_dim());
   p.scale_log2 = a.scale * 1.4426950408889634f;
 
   // Packed mask bits and per-token last visible index, stream-ordered scratch.
@@ -143,13 +151,13 @@ void tree_attention_cuda(const TreeAttentionArgs& a, uintptr_t stream_handle) {
 
   switch (a.q.dtype) {
     case DType::kFloat32:
-      launch_dtype<float>(p, B, int(a.head_dim()), stream);
+      launch_dtype<float>(p, B, stream);
       break;
     case DType::kFloat16:
-      launch_dtype<__half>(p, B, int(a.head_dim()), stream);
+      launch_dtype<__half>(p, B, stream);
       break;
     default:
-      launch_dtype<__nv_bfloat16>(p, B, int(a.head_dim()), stream);
+      launch_dtype<__nv_bfloat16>(p, B, stream);
       break;
   }
   check(cudaFreeAsync(scratch, stream), kOp, "cudaFreeAsync");

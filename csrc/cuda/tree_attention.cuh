@@ -3,7 +3,9 @@
 // kWarps * kRowsPerWarp rows, so a whole tree of up to that many rows is one block. The block's
 // queries sit in shared memory; each K/V row is read from global memory once per block into a
 // shared tile and used by every query row. Each lane owns one key of a 32-key tile for scores and
-// head_dim / 32 output columns for the weighted sum; softmax is online (running max and sum).
+// DP / 32 output columns for the weighted sum; softmax is online (running max and sum). DP is
+// head_dim rounded up to a multiple of 32: the shared rows are zero past head_dim, so the padded
+// columns add exact zeros to the scores and are never stored.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -40,7 +42,7 @@ struct TreeAttentionParams {
   bool prefix_lens_64;
   const uint32_t* mask_bits;    // [B, T, words]: bit j of token i = tree_mask[b, i, j]
   const int32_t* last_visible;  // [B, T]: last mask column j token i sees, -1 if none
-  int tokens, mask_cols, words, group, kv_heads;
+  int tokens, mask_cols, words, group, kv_heads, head_dim;
   float scale_log2;  // softmax scale * log2(e): scores are kept in base 2 for exp2f
 };
 
@@ -74,6 +76,7 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kWarps * 32) tree_attention_kernel(const TreeAttentionParams p) {
   static_assert(D % 32 == 0, "each lane owns D / 32 output columns");
   constexpr int kCols = D / 32;
+  const int head_dim = p.head_dim;  // <= D
   extern __shared__ float smem[];
   float* qs = smem;                     // [kRowsPerBlock, D]
   float* ks = qs + kRowsPerBlock * D;   // [kKeyTile, D + 1]; +1 avoids bank conflicts
@@ -90,9 +93,10 @@ __global__ void __launch_bounds__(kWarps * 32) tree_attention_kernel(const TreeA
 
   const T* q = static_cast<const T*>(p.q);
   for (int i = threadIdx.x; i < rows * D; i += blockDim.x) {
-    const int r = row0 + i / D, t = r / p.group, head = h * p.group + r % p.group;
-    qs[i] = to_float(q[b * p.q_stride[0] + t * p.q_stride[1] + head * p.q_stride[2] + i % D]) *
-            p.scale_log2;
+    const int r = row0 + i / D, t = r / p.group, head = h * p.group + r % p.group, d = i % D;
+    qs[i] = d < head_dim ? to_float(q[b * p.q_stride[0] + t * p.q_stride[1] +
+                                      head * p.q_stride[2] + d]) * p.scale_log2
+                         : 0.0f;
   }
   if (threadIdx.x == 0) block_last_visible = -1;
   __syncthreads();
@@ -132,7 +136,7 @@ __global__ void __launch_bounds__(kWarps * 32) tree_attention_kernel(const TreeA
     __syncthreads();
     for (int i = threadIdx.x; i < kKeyTile * D; i += blockDim.x) {
       const int j = i / D, d = i % D;
-      const bool in = k0 + j < key_end;
+      const bool in = k0 + j < key_end && d < head_dim;
       ks[j * (D + 1) + d] = in ? to_float(kbase[k_offset[j] + d]) : 0.0f;
       vs[j * D + d] = in ? to_float(vbase[v_offset[j] + d]) : 0.0f;
     }
@@ -183,7 +187,9 @@ __global__ void __launch_bounds__(kWarps * 32) tree_attention_kernel(const TreeA
     const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;  // a row that saw nothing gets zeros
     T* o = out + b * p.out_stride[0] + t * p.out_stride[1] + head * p.out_stride[2];
 #pragma unroll
-    for (int c = 0; c < kCols; ++c) o[c * 32 + lane] = from_float<T>(acc[i][c] * inv);
+    for (int c = 0; c < kCols; ++c) {
+      if (c * 32 + lane < head_dim) o[c * 32 + lane] = from_float<T>(acc[i][c] * inv);
+    }
   }
 }
 

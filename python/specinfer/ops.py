@@ -40,6 +40,7 @@ def kv_locations(cache_rows: torch.Tensor, positions: torch.Tensor, seq_len: int
     each [B, L]. cache_rows is [B] (request b owns row cache_rows[b]: position p at slot p) or
     a block table [B, MB] (position p at row cache_rows[b, p // S], slot p % S: the rows are
     blocks of S positions, handed out as a request grows)."""
+    positions = positions.to(cache_rows.device)
     if cache_rows.dim() == 1:
         return cache_rows.view(-1, 1).expand_as(positions), positions
     return cache_rows.gather(1, positions // seq_len), positions % seq_len
