@@ -1,7 +1,7 @@
 """Tree attention (specinfer.ops) against torch's scaled_dot_product_attention with an explicit
 boolean mask, on the same CUDA tensors and shapes: Llama-7B and SmolLM2 heads, prefixes 128..4096,
 trees of 8..64 nodes, batch 1 and 16, bfloat16. Times each op with CUDA events (the mean of a few
-back-to-back calls, best of several groups) and writes a JSON list of results.
+back-to-back calls, best of several groups) and writes the results as JSON with a plot beside it.
 
     python benchmarks/bench_sdpa_gpu.py --out sdpa.json
 """
@@ -9,12 +9,12 @@ back-to-back calls, best of several groups) and writes a JSON list of results.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 
 import torch
 import torch.nn.functional as F
 
+from results_io import save
 from specinfer import ops
 
 HEADS = {"llama7b": (32, 32, 128), "smollm2": (9, 3, 64)}
@@ -120,6 +120,25 @@ def supports_enable_gqa() -> bool:
     return True
 
 
+def draw(result: dict, plt):
+    """Per model, each shape's time: tree attention beside SDPA (log scale)."""
+    models = list(dict.fromkeys(r["model"] for r in result["results"]))
+    fig, axes = plt.subplots(len(models), 1, figsize=(14, 4.5 * len(models)), squeeze=False)
+    for ax, model in zip(axes[:, 0], models):
+        rows = [r for r in result["results"] if r["model"] == model]
+        x = range(len(rows))
+        ax.bar([i - 0.2 for i in x], [r["ours_us"] for r in rows], 0.4, label="tree_attention")
+        ax.bar([i + 0.2 for i in x], [r["sdpa_us"] for r in rows], 0.4, label="SDPA, explicit mask")
+        ax.set_xticks(list(x))
+        ax.set_xticklabels([f"p{r['prefix']}\nt{r['tree']}\nb{r['batch']}" for r in rows])
+        ax.set_xlabel("p: prefix tokens, t: tree nodes, b: batch")
+        ax.set_yscale("log")
+        ax.set_ylabel("us per call")
+        ax.set_title(f"{model} heads, bfloat16, {result['meta']['device']}")
+        ax.legend()
+    return fig
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON file to write")
@@ -148,8 +167,7 @@ def main() -> None:
         sdpa_enable_gqa=gqa_arg,
         dtype="bfloat16",
     )
-    with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, results=results), f, indent=1)
+    save(dict(meta=meta, results=results), args.out, draw)
     slower = [r for r in results if r["speedup"] < 1.0]
     print(f"tree_attention faster than SDPA on {len(results) - len(slower)}/{len(results)} shapes")
 
