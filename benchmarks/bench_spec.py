@@ -41,6 +41,7 @@ The prompts are real text nobody here wrote (openings of standard-library docstr
 from __future__ import annotations
 
 import argparse
+import copy
 import inspect
 import json
 import pydoc
@@ -51,6 +52,7 @@ import torch
 
 from results_io import save
 from specinfer import Engine, SamplingParams
+from specinfer.suffix import SuffixDrafter
 from specinfer.training.evaluate import target_tokens, topk_agreement
 from specinfer.tree import TreeConfig
 
@@ -120,8 +122,14 @@ def latency_ms(engine: Engine, prompts: list, tokens: int, batch: int, sampling=
 
     # Warm-up: a whole run, so op graphs are recorded for the shapes it reaches and the cut has
     # learned its costs and rates, as in a server that has run a while (two tokens left a batch
-    # of 16 learning, at over twice the steady step time, for much of the first group).
+    # of 16 learning, at over twice the steady step time, for much of the first group). A
+    # suffix drafter forgets it: it must not draft the first group's answers from themselves.
+    suffix = [s for s in (engine.drafter.ssms if engine.drafter else [])
+              if isinstance(s, SuffixDrafter)]  # fmt: skip
+    histories = [copy.deepcopy(s.history) for s in suffix]
     run(groups[0], tokens)
+    for s, history in zip(suffix, histories):
+        s.history, s.rows = history, [[] for _ in s.rows]
     decode_s, outs, leads = 0.0, [], []
     for group in groups:
         first, _ = run(group, 1)
@@ -399,10 +407,10 @@ def acceptance(base: dict, specs: list[str], prompts: list, tokens: int, depth: 
 
 
 def _drafter(part: str, ssm: str) -> tuple[str, str | None]:
-    """(SSM spec, tree) of one '+'-joined part of a paired configuration: an n-gram spec, a
+    """(SSM spec, tree) of one '+'-joined part of a paired configuration: an n-gram or suffix spec, a
     tree for --ssm ("1,1"), or an SSM spec with an optional tree ("feature:PATH@1,1"; without
     one it drafts what the engine gives it: sized by the budget, or its default tree)."""
-    if part.startswith("ngram"):
+    if part.startswith(("ngram", "suffix")):
         return part, None
     if part.replace(",", "").isdigit():
         return ssm, part

@@ -1,7 +1,7 @@
 """Drafting with several SSMs: each drafts its own tree, the trees merge into one per request.
 
 An SSM here is anything with the Speculator's interface (a neural `Speculator`, the
-`NgramDrafter`): num_nodes, reset, admit, prefill, draft, commit, rollback. Each keeps its own per-request state
+`NgramDrafter`, the `SuffixDrafter`): num_nodes, reset, admit, prefill, draft, commit, rollback. Each keeps its own per-request state
 (KV cache, cached length, n-gram index), so after verification each is told the accepted path in
 its own node ids: the longest prefix of the path that is in its tree. Accepted tokens an SSM did
 not propose reach it at its next draft (it feeds everything past what it has cached).
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from torch import nn
@@ -18,6 +19,7 @@ from torch import nn
 from specinfer.default_model import DEFAULT_SSM_TREE, default_feature_path, default_ssm_path
 from specinfer.ngram import NgramConfig, NgramDrafter
 from specinfer.speculator import load_speculator, parse_layers
+from specinfer.suffix import SuffixConfig, SuffixDrafter
 from specinfer.tree import TokenTree, TreeConfig, merge_trees
 
 DEFAULT_HEAD = 8192  # tokens of head_tokens.json used when ssm_head is not given
@@ -135,9 +137,10 @@ def _own_path(path: list[int], merged_of: list[int]) -> list[int]:
 def build_drafter(specs, trees, target: nn.Module, target_path: Path, dtype, device,
                   head: int | None, chains: bool, sized: bool = False) -> Drafter:  # fmt: skip
     """SSMs from specs (a model path, int L / "layers:L", "default" for the SSM shipped for the
-    default model, "feature" for its feature head, "feature:PATH" for another feature head, or
-    an n-gram spec "ngram[:k=v,...]"),
-    each with its tree config (`trees`: one for all, or a list per SSM; None at n-gram entries).
+    default model, "feature" for its feature head, "feature:PATH" for another feature head,
+    prompt lookup "ngram[:k=v,...]" or earlier requests' continuations "suffix[:k=v,...]"),
+    each with its tree config (`trees`: one for all, or a list per SSM; None at the entries of
+    the drafters without a model, which take their shape from their spec).
     `head`: the neural SSMs' LM head vocabulary (see `head_token_ids`). `chains`: sequence mode,
     every SSM drafts a chain. `sized`: a neural SSM given no tree drafts SIZED_TREE to the
     depth the cost-aware budget chooses each step (budget.TreeBudget.depth); without it, the
@@ -149,19 +152,16 @@ def build_drafter(specs, trees, target: nn.Module, target_path: Path, dtype, dev
         if len(trees) != len(specs):
             raise ValueError(f"got {len(trees)} tree configs for {len(specs)} SSMs")
     else:
-        trees = [trees if not _is_ngram(s) else None for s in specs]
+        trees = [trees if not _is_lookup(s) else None for s in specs]
     ssms = []
     for spec, tree in zip(specs, trees):
-        if _is_ngram(spec):
+        if _is_lookup(spec):
             if tree is not None:
                 raise ValueError(
                     f"{spec!r} takes its shape from its spec (e.g. ngram:depth=5,branches=2), "
                     "not a tree config: give None at its place in the tree list"
                 )
-            config = NgramConfig.parse(spec)
-            if chains:
-                config = NgramConfig(config.max_n, config.min_n, config.depth, 1)
-            ssms.append(NgramDrafter(config, name=spec))
+            ssms.append(_lookup_drafter(spec, chains, target.config.vocab_size))
             continue
         grows = sized and tree is None and not chains
         if spec == "default":
@@ -227,5 +227,16 @@ def _read_head_tokens(file: Path, vocab_size: int) -> list[int]:
     return tokens
 
 
-def _is_ngram(spec) -> bool:
-    return isinstance(spec, str) and (spec == "ngram" or spec.startswith("ngram:"))
+def _is_lookup(spec) -> bool:
+    """A drafter without a model: prompt lookup or earlier requests' continuations."""
+    return isinstance(spec, str) and spec.partition(":")[0] in ("ngram", "suffix")
+
+
+def _lookup_drafter(spec: str, chains: bool, vocab_size: int) -> NgramDrafter | SuffixDrafter:
+    """Sequence mode (`chains`) takes one branch of each."""
+    if spec.partition(":")[0] == "suffix":
+        config = SuffixConfig.parse(spec)
+        config = replace(config, branches=1) if chains else config
+        return SuffixDrafter(config, vocab_size, name=spec)
+    config = NgramConfig.parse(spec)
+    return NgramDrafter(replace(config, branches=1) if chains else config, name=spec)

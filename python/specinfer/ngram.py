@@ -51,22 +51,31 @@ class NgramConfig:
     @classmethod
     def parse(cls, spec: str) -> NgramConfig:
         """'ngram' or 'ngram:max_n=3,depth=5,branches=2'."""
-        name, _, options = spec.partition(":")
-        if name != "ngram":
-            raise ValueError(f"not an ngram spec: {spec!r}")
-        known = {f.name for f in fields(cls)}
-        kwargs = {}
-        for item in filter(None, options.replace(" ", "").split(",")):
-            key, eq, value = item.partition("=")
-            if key not in known or not eq:
-                raise ValueError(
-                    f"bad ngram option {item!r} in {spec!r}; use key=value with keys {sorted(known)}"
-                )
-            try:
-                kwargs[key] = int(value)
-            except ValueError:
-                raise ValueError(f"ngram option {key} must be an integer, got {value!r}") from None
-        return cls(**kwargs)
+        return cls(**parse_options(spec, "ngram", cls))
+
+
+def parse_options(spec: str, kind: str, config: type) -> dict[str, int | str]:
+    """The options of a drafter spec 'KIND' or 'KIND:key=value,...' whose keys are the fields of
+    the dataclass `config`: integers, but for its string fields."""
+    name, _, options = spec.partition(":")
+    if name != kind:
+        raise ValueError(f"not a {kind} spec: {spec!r}")
+    known = {f.name: f.type for f in fields(config)}
+    kwargs = {}
+    for item in filter(None, options.split(",")):
+        key, eq, value = (part.strip() for part in item.partition("="))
+        if key not in known or not eq:
+            raise ValueError(
+                f"bad {kind} option {item!r} in {spec!r}; use key=value with keys {sorted(known)}"
+            )
+        if known[key] in (str, "str"):
+            kwargs[key] = value
+            continue
+        try:
+            kwargs[key] = int(value)
+        except ValueError:
+            raise ValueError(f"{kind} option {key} must be an integer, got {value!r}") from None
+    return kwargs
 
 
 class _Index:

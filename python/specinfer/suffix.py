@@ -1,0 +1,193 @@
+"""Suffix drafts: continuations of the context's longest suffix in the tokens of earlier requests.
+
+Prompt lookup ("ngram") searches the request itself; this drafter searches what the engine has
+served before (prompt + output of every request that left its row), where a model's answers to
+similar questions repeat whole phrases (SuffixDecoding, REST). It finds the longest n-gram
+(n from max_n down to 1) that ends the context and occurs in that history, then follows the
+continuation most of those occurrences share, token by token (occurrences that disagree drop
+out): a chain, or with branches=b the b most common first tokens, each followed that way.
+
+The proposals are point masses (lossless at any temperature), but they depend on other
+requests, so a seeded sampling request, whose seed must reproduce its output whatever was
+served before, gets no suffix drafts.
+
+History is bounded: each n-gram keeps its latest MATCHES occurrences, and past `history`
+tokens the older half is forgotten. It can start from a corpus: a file of the target's token
+sequences, one JSON list of ids a line (e.g. its own answers to prompts like those it will serve;
+benchmarks/make_suffix_corpus.py writes one). Spec strings: "suffix", or "suffix:" followed by
+key=value pairs from max_n, depth, branches, history, corpus, e.g.
+"suffix:max_n=4,depth=6,corpus=answers.jsonl".
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from specinfer.budget import must_draft
+from specinfer.ngram import parse_options
+from specinfer.tree import TokenTree
+
+MATCHES = 64  # occurrences kept per n-gram (the latest) and followed when drafting
+END = -1  # between sequences in the history: no continuation runs past it
+
+
+@dataclass(frozen=True)
+class SuffixConfig:
+    max_n: int = 6
+    depth: int = 8
+    branches: int = 1
+    history: int = 1 << 20  # tokens remembered
+    corpus: str = ""  # a file of token sequences the history starts with
+
+    def __post_init__(self):
+        for name, value in vars(self).items():
+            if name != "corpus" and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"suffix {name} must be a positive integer, got {value!r}")
+
+    @property
+    def num_nodes(self) -> int:
+        return 1 + self.depth * self.branches
+
+    @classmethod
+    def parse(cls, spec: str) -> SuffixConfig:
+        return cls(**parse_options(spec, "suffix", cls))
+
+
+class History:
+    """Sequences one after another with END between them, and n-gram -> positions after it."""
+
+    def __init__(self, max_n: int, capacity: int):
+        self.max_n, self.capacity = max_n, capacity
+        self.tokens: list[int] = []
+        self.after: dict[tuple[int, ...], list[int]] = {}
+
+    def add(self, seq: list[int]) -> None:
+        if len(self.tokens) + len(seq) + 1 > self.capacity:
+            self._forget_older_half()
+        base = len(self.tokens)
+        self.tokens += seq
+        self.tokens.append(END)
+        for e in range(1, len(seq)):  # the n-grams ending before seq[e]
+            for n in range(1, min(self.max_n, e) + 1):
+                positions = self.after.setdefault(tuple(seq[e - n : e]), [])
+                positions.append(base + e)
+                if len(positions) > 2 * MATCHES:
+                    del positions[:-MATCHES]
+
+    def _forget_older_half(self) -> None:
+        cut = max(1, len(self.tokens) // 2)
+        while cut < len(self.tokens) and self.tokens[cut - 1] != END:  # at a sequence's start
+            cut += 1
+        kept = self.tokens[cut:]
+        self.tokens, self.after = [], {}
+        start = 0
+        for i, token in enumerate(kept):
+            if token == END:
+                self.add(kept[start:i])
+                start = i + 1
+
+    def chains(self, context: list[int], depth: int, branches: int) -> list[list[int]]:
+        """Up to `branches` continuations of the longest suffix of `context` found here."""
+        for n in range(min(self.max_n, len(context)), 0, -1):
+            positions = self.after.get(tuple(context[-n:]))
+            if positions:
+                break
+        else:
+            return []
+        positions = positions[-MATCHES:]
+        firsts = Counter(self.tokens[p] for p in positions)
+        chains = []
+        for first, _ in firsts.most_common(branches):
+            chain, alive = [first], [p for p in positions if self.tokens[p] == first]
+            while len(chain) < depth:
+                counts = Counter(self.tokens[p + len(chain)] for p in alive)
+                counts.pop(END, None)
+                if not counts:
+                    break
+                token = counts.most_common(1)[0][0]
+                alive = [p for p in alive if self.tokens[p + len(chain)] == token]
+                chain.append(token)
+            chains.append(chain)
+        return chains
+
+
+class SuffixDrafter:
+    """Drafts from the engine's earlier requests; same draft/commit interface as the Speculator.
+    The history outlives batches: it is the engine's, not a request's."""
+
+    samples_children = False  # point masses
+    sized = False  # its depth comes from its config, not from the budget
+
+    def __init__(self, config: SuffixConfig, vocab_size: int, name: str = "suffix"):
+        self.config = config
+        self.name = name
+        self.history = History(config.max_n, config.history)
+        if config.corpus:
+            for seq in read_corpus(config.corpus, vocab_size):
+                self.history.add(seq)
+        self.rows: list[list[int]] = []  # per row: the tokens of the request on it, as last seen
+
+    @property
+    def num_nodes(self) -> int:
+        return self.config.num_nodes
+
+    def reset(self, rows: int, max_seq_len: int) -> None:
+        for row in range(len(self.rows)):
+            self.admit(row)
+        self.rows = [[] for _ in range(rows)]
+
+    def admit(self, row: int) -> None:
+        """A new request takes `row`: the one that had it joins the history."""
+        if self.rows[row]:
+            self.history.add(self.rows[row])
+        self.rows[row] = []
+
+    def prefill(self, batch: list, tokens: list[list[int]]) -> None:
+        for r, seq in zip(batch, tokens):
+            self.rows[r.row] = seq
+
+    def rollback(self, row: int, length: int) -> None:
+        self.rows[row] = self.rows[row][:length]  # a copy: the list is the caller's
+
+    def draft(self, batch: list, tokens: list[list[int]], max_depths: list[int]) -> list[TokenTree]:
+        trees = []
+        for r, seq, max_depth in zip(batch, tokens, max_depths):
+            self.rows[r.row] = seq
+            tree = TokenTree(seq[-1])
+            depth = min(self.config.depth, max_depth)
+            if depth > 0 and not must_draft(r.params):
+                chains = self.history.chains(seq, depth, self.config.branches)
+                ends = [0] * len(chains)
+                for d in range(max(map(len, chains), default=0)):  # level by level, as SSMs number
+                    for i, chain in enumerate(chains):
+                        if d < len(chain):
+                            ends[i] = tree.propose_once(ends[i], chain[d])
+            trees.append(tree)
+        return trees
+
+    def commit(self, batch, prefix, paths, trees, max_depths) -> None:
+        """Nothing to keep: the row's tokens are read again at the next draft."""
+
+
+def read_corpus(path: str | Path, vocab_size: int) -> list[list[int]]:
+    """Token sequences, one JSON list of ids (in the target's vocabulary) a line."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"suffix corpus not found: {path}")
+    seqs = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            seq = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{number}: not JSON ({e})") from None
+        if not isinstance(seq, list) or not all(isinstance(t, int) for t in seq):
+            raise ValueError(f"{path}:{number}: expected a JSON list of token ids")
+        if not all(0 <= t < vocab_size for t in seq):
+            raise ValueError(f"{path}:{number}: token ids outside the vocabulary [0, {vocab_size})")
+        seqs.append(seq)
+    return seqs

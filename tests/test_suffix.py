@@ -1,0 +1,137 @@
+"""The suffix drafter: continuations of the context's longest suffix in earlier requests."""
+
+import json
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+
+from specinfer import Engine, SamplingParams
+from specinfer.suffix import History, SuffixConfig, SuffixDrafter
+from test_speculative import (  # noqa: F401 (tiny_pair is a fixture)
+    PARAMS,
+    PROMPT,
+    SAMPLES,
+    _chi_squared_p,
+    _exact_joint,
+    tiny_pair,
+)
+
+GREEDY = SamplingParams()
+
+
+def _request(row: int = 0, params: SamplingParams = GREEDY):
+    return SimpleNamespace(row=row, params=params)
+
+
+def _paths(drafter: SuffixDrafter, seq: list[int], row: int = 0, params=GREEDY, depth: int = 99):
+    tree = drafter.draft([_request(row, params)], [seq], [depth])[0]
+    leaves = set(range(len(tree))) - set(tree.parents)
+    paths = set()
+    for leaf in leaves - {0}:
+        path, node = [], leaf
+        while node:
+            path.append(tree.tokens[node])
+            node = tree.parents[node]
+        paths.add(tuple(reversed(path)))
+    return paths
+
+
+def test_longest_suffix_then_the_continuation_most_occurrences_share():
+    history = History(max_n=3, capacity=1000)
+    history.add([1, 2, 3, 4, 5])
+    history.add([9, 2, 3, 4, 6])
+    history.add([7, 3, 4, 6, 8])
+    # (2, 3) occurs twice, (1, 2, 3) never: after (2, 3) come 4 then 5 or 6 (a tie: the first seen)
+    assert history.chains([0, 2, 3], depth=4, branches=1) == [[4, 5]]
+    # (3, 4): three occurrences, two go on with 6; the chain stops where they all end
+    assert history.chains([3, 4], depth=4, branches=1) == [[6, 8]]
+    assert history.chains([3, 4], depth=4, branches=2) == [[6, 8], [5]]
+    assert history.chains([4], depth=1, branches=2) == [[6], [5]]  # 6 twice, then 5
+    assert history.chains([42], depth=4, branches=1) == []  # never seen
+    assert history.chains([5], depth=4, branches=1) == []  # a sequence's end is no continuation
+
+
+def test_history_forgets_its_older_half_past_its_capacity():
+    history = History(max_n=2, capacity=11)
+    history.add([1, 2, 3])
+    history.add([4, 5, 6])
+    history.add([7, 8, 9])  # 12 tokens with the ends: the older half, [1, 2, 3], goes
+    assert history.chains([1], depth=2, branches=1) == []
+    assert history.chains([4], depth=2, branches=1) == [[5, 6]]
+    assert history.chains([7], depth=2, branches=1) == [[8, 9]]
+    assert len(history.tokens) == 8
+
+
+def test_drafter_learns_from_requests_that_left_their_rows():
+    drafter = SuffixDrafter(SuffixConfig(max_n=2, depth=3), vocab_size=10)
+    drafter.reset(2, 100)
+    drafter.prefill([_request(0)], [[5, 6, 7, 8, 9]])
+    assert _paths(drafter, [1, 6, 7], row=1) == set()  # row 0's request has not left yet
+    drafter.admit(0)  # a new request takes row 0: the old one joins the history
+    seq = [1, 6, 7]
+    assert _paths(drafter, seq, row=1) == {(8, 9)}
+    assert _paths(drafter, seq, row=1, depth=1) == {(8,)}
+    seeded = SamplingParams(temperature=1.0, seed=3)  # its seed must not depend on history
+    assert _paths(drafter, seq, row=1, params=seeded) == set()
+    drafter.rollback(1, 2)  # forgets row 1's tokens past the first 2
+    assert seq == [1, 6, 7]  # the caller's list is not the drafter's to cut
+    drafter.reset(2, 100)  # a new batch: rows 0 and 1 join the history
+    assert _paths(drafter, [3, 1], row=0) == {(6,)}  # from row 1's [1, 6]
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("suffix:depth=0", "depth must be a positive integer"),
+        ("suffix:width=2", "bad suffix option"),
+        ("suffix:corpus=/nonexistent.jsonl", "suffix corpus not found"),
+    ],
+)
+def test_bad_specs(tiny_pair, spec, message):  # noqa: F811
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        Engine(tiny_pair[0], ssm=spec)
+
+
+@pytest.mark.parametrize(
+    "line, message", [("[1, 2, x]", "not JSON"), ('{"a": 1}', "a JSON list"), ("[1, 99]", "vocab")]
+)
+def test_bad_corpus_lines(tiny_pair, tmp_path, line, message):  # noqa: F811
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(f"[1, 2]\n{line}\n")
+    with pytest.raises(ValueError, match=rf"corpus.jsonl:2: .*{message}"):
+        Engine(tiny_pair[0], ssm=f"suffix:corpus={corpus}")
+
+
+def test_greedy_with_suffix_drafts_equals_incremental(tiny_pair):  # noqa: F811
+    target, other = tiny_pair
+    # Repeated prompts on 2 rows: later requests find the earlier ones' continuations.
+    prompts = [PROMPT, [5, 5, 1, 0, 2], PROMPT, [2, 3], [5, 5, 1, 0, 2], PROMPT]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    reference = Engine(target, dtype="float32").generate(prompts, params)
+    for ssm in (["suffix"], [other, "ngram", "suffix:max_n=3,depth=4,branches=2"]):
+        engine = Engine(target, dtype="float32", ssm=ssm, tree="2,1", max_batch_size=2,
+                        adaptive_tree=False)  # fmt: skip
+        outs = engine.generate(prompts, params)
+        assert [o.token_ids for o in outs] == [r.token_ids for r in reference], ssm
+        suffix = [o.metrics["per_ssm"][-1] for o in outs]
+        assert all(s["name"].startswith("suffix") for s in suffix)
+        assert sum(s["accepted"] for s in suffix[2:]) > 0  # it drafted, and was right
+
+
+def test_sampling_with_suffix_drafts_matches_incremental_distribution(tiny_pair, tmp_path):  # noqa: F811
+    """Unseeded sampling (seeded requests get no suffix drafts) from a corpus that continues the
+    prompt in several ways: the first three tokens' joint distribution is incremental's."""
+    target = tiny_pair[0]
+    corpus = tmp_path / "corpus.jsonl"
+    tails = [[0, 1, 2, 3], [4, 4, 5], [1, 1, 0], [2, 5, 3, 3]]
+    corpus.write_text("".join(json.dumps(PROMPT + t) + "\n" for t in tails))
+    engine = Engine(target, dtype="float32", max_batch_size=512,
+                    ssm=[f"suffix:corpus={corpus},max_n=3,depth=3,branches=2"])  # fmt: skip
+    params = [SamplingParams(max_tokens=3, ignore_eos=True, **PARAMS) for _ in range(SAMPLES)]
+    outs = engine.generate([PROMPT] * SAMPLES, params)
+    counts = Counter(tuple(o.token_ids[:3]) for o in outs)
+    stat, p = _chi_squared_p(counts, _exact_joint(Engine(target, dtype="float32"), **PARAMS),
+                             SAMPLES)  # fmt: skip
+    assert p > 0.01, f"chi2 = {stat:.1f}, p = {p:.2e}"
+    assert sum(o.metrics["per_ssm"][0]["accepted"] for o in outs) > SAMPLES // 10
