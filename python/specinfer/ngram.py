@@ -37,10 +37,7 @@ class NgramConfig:
     def __post_init__(self):
         if self.min_n is None:
             object.__setattr__(self, "min_n", self.max_n)
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"ngram {f.name} must be a positive integer, got {value!r}")
+        require_positive(self, "ngram", [f.name for f in fields(self)])
         if self.min_n > self.max_n:
             raise ValueError(f"ngram min_n={self.min_n} is larger than max_n={self.max_n}")
 
@@ -52,6 +49,13 @@ class NgramConfig:
     def parse(cls, spec: str) -> NgramConfig:
         """'ngram' or 'ngram:max_n=3,depth=5,branches=2'."""
         return cls(**parse_options(spec, "ngram", cls))
+
+
+def require_positive(config, kind: str, names: list[str]) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{kind} {name} must be a positive integer, got {value!r}")
 
 
 def parse_options(spec: str, kind: str, config: type) -> dict[str, int | str]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specinfer.budget import must_draft
-from specinfer.ngram import parse_options
+from specinfer.ngram import parse_options, require_positive
 from specinfer.tree import TokenTree
 
 MATCHES = 64  # occurrences kept per n-gram (the latest) and followed when drafting
@@ -43,9 +43,7 @@ class SuffixConfig:
     corpus: str = ""  # a file of token sequences the history starts with
 
     def __post_init__(self):
-        for name, value in vars(self).items():
-            if name != "corpus" and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"suffix {name} must be a positive integer, got {value!r}")
+        require_positive(self, "suffix", ["max_n", "depth", "branches", "history"])
 
     @property
     def num_nodes(self) -> int:
