@@ -12,7 +12,8 @@ requests, so a seeded sampling request, whose seed must reproduce its output wha
 served before, gets no suffix drafts.
 
 History is bounded: each n-gram keeps its latest MATCHES occurrences, and past `history`
-tokens the older half is forgotten. It can start from a corpus: a file of the target's token
+tokens the older half is forgotten (the index is Python dicts and lists: about 0.6 KB a token,
+180 MB for 318k tokens). It can start from a corpus: a file of the target's token
 sequences, one JSON list of ids a line (e.g. its own answers to prompts like those it will serve;
 benchmarks/make_suffix_corpus.py writes one). Spec strings: "suffix", or "suffix:" followed by
 key=value pairs from max_n, depth, branches, history, corpus, e.g.
@@ -39,7 +40,7 @@ class SuffixConfig:
     max_n: int = 6
     depth: int = 8
     branches: int = 1
-    history: int = 1 << 20  # tokens remembered
+    history: int = 1 << 19  # tokens remembered (the index takes ~0.6 KB a token)
     corpus: str = ""  # a file of token sequences the history starts with
 
     def __post_init__(self):
