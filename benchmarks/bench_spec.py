@@ -45,6 +45,7 @@ import copy
 import inspect
 import json
 import pydoc
+import re
 import time
 from pathlib import Path
 
@@ -476,12 +477,15 @@ def _plot_paired(ax, rows: dict, result: dict) -> None:
 def _bars(ax, rows: dict, title: str) -> None:
     """ms per token of each row, annotated with its tokens per step."""
     names = list(rows)
-    ax.bar(names, [rows[t]["ms_per_token"] for t in names])
+    ax.bar(range(len(names)), [rows[t]["ms_per_token"] for t in names])
     for i, t in enumerate(names):
         ax.annotate(f"{rows[t]['tokens_per_step']:.2f} tok/step", (i, rows[t]["ms_per_token"]),
                     ha="center", va="bottom", fontsize=8)  # fmt: skip
+    # A corpus path says little on an axis: its file name; a drafter, then an option, a line.
+    labels = [re.sub(r"corpus=[^,+]*/", "corpus=", t) for t in names]
+    labels = [re.sub(r"([+:,])", "\\1\n", t) for t in labels]
+    ax.set_xticks(range(len(names)), labels, fontsize=8)
     ax.set(title=title, ylabel="ms per token")
-    ax.tick_params(axis="x", labelrotation=25)
 
 
 def _plot_rows(ax, rows: dict, result: dict) -> None:
