@@ -126,7 +126,7 @@ def test_sampling_with_suffix_drafts_matches_incremental_distribution(tiny_pair,
     corpus = tmp_path / "corpus.jsonl"
     tails = [[0, 1, 2, 3], [4, 4, 5], [1, 1, 0], [2, 5, 3, 3]]
     corpus.write_text("".join(json.dumps(PROMPT + t) + "\n" for t in tails))
-    engine = Engine(target, dtype="float32", max_batch_size=512,
+    engine = Engine(target, dtype="float32", max_batch_size=512, adaptive_tree=False,
                     ssm=[f"suffix:corpus={corpus},max_n=3,depth=3,branches=2"])  # fmt: skip
     params = [SamplingParams(max_tokens=3, ignore_eos=True, **PARAMS) for _ in range(SAMPLES)]
     outs = engine.generate([PROMPT] * SAMPLES, params)
@@ -134,4 +134,6 @@ def test_sampling_with_suffix_drafts_matches_incremental_distribution(tiny_pair,
     stat, p = _chi_squared_p(counts, _exact_joint(Engine(target, dtype="float32"), **PARAMS),
                              SAMPLES)  # fmt: skip
     assert p > 0.01, f"chi2 = {stat:.1f}, p = {p:.2e}"
-    assert sum(o.metrics["per_ssm"][0]["accepted"] for o in outs) > SAMPLES // 10
+    accepted = sum(o.metrics["per_ssm"][0]["accepted"] for o in outs)
+    print(f"\naccepted suffix drafts: {accepted} in {SAMPLES} requests")
+    assert accepted > SAMPLES // 4  # whole trees (no cut): 14072 in one run
