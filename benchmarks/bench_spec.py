@@ -41,18 +41,19 @@ The prompts are real text nobody here wrote (openings of standard-library docstr
 from __future__ import annotations
 
 import argparse
-import copy
 import inspect
 import json
 import pydoc
 import re
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 
 from results_io import save
 from specinfer import Engine, SamplingParams
+from specinfer.drafting import is_lookup_spec
 from specinfer.suffix import SuffixDrafter
 from specinfer.training.evaluate import target_tokens, topk_agreement
 from specinfer.tree import TreeConfig
@@ -125,12 +126,11 @@ def latency_ms(engine: Engine, prompts: list, tokens: int, batch: int, sampling=
     # learned its costs and rates, as in a server that has run a while (two tokens left a batch
     # of 16 learning, at over twice the steady step time, for much of the first group). A
     # suffix drafter forgets it: it must not draft the first group's answers from themselves.
-    suffix = [s for s in (engine.drafter.ssms if engine.drafter else [])
-              if isinstance(s, SuffixDrafter)]  # fmt: skip
-    histories = [copy.deepcopy(s.history) for s in suffix]
-    run(groups[0], tokens)
-    for s, history in zip(suffix, histories):
-        s.history, s.rows = history, [[] for _ in s.rows]
+    with ExitStack() as stack:
+        for s in engine.drafter.ssms if engine.drafter else []:
+            if isinstance(s, SuffixDrafter):
+                stack.enter_context(s.unrecorded())
+        run(groups[0], tokens)
     decode_s, outs, leads = 0.0, [], []
     for group in groups:
         first, _ = run(group, 1)
@@ -411,7 +411,7 @@ def _drafter(part: str, ssm: str) -> tuple[str, str | None]:
     """(SSM spec, tree) of one '+'-joined part of a paired configuration: an n-gram or suffix spec, a
     tree for --ssm ("1,1"), or an SSM spec with an optional tree ("feature:PATH@1,1"; without
     one it drafts what the engine gives it: sized by the budget, or its default tree)."""
-    if part.startswith(("ngram", "suffix")):
+    if is_lookup_spec(part):
         return part, None
     if part.replace(",", "").isdigit():
         return ssm, part

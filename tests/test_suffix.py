@@ -78,6 +78,13 @@ def test_drafter_learns_from_requests_that_left_their_rows():
     assert seq == [1, 6, 7]  # the caller's list is not the drafter's to cut
     drafter.reset(2, 100)  # a new batch: rows 0 and 1 join the history
     assert _paths(drafter, [3, 1], row=0) == {(6,)}  # from row 1's [1, 6]
+    with drafter.unrecorded():  # e.g. a benchmark's warm-up
+        drafter.prefill([_request(1)], [[2, 4, 4]])
+        drafter.admit(1)
+        assert _paths(drafter, [2], row=0) == {(4, 4)}
+    assert _paths(drafter, [2], row=0) == set()  # forgotten, and row 0's [3, 1] with it
+    drafter.admit(0)
+    assert _paths(drafter, [3], row=1) == set()
 
 
 @pytest.mark.parametrize(

@@ -152,10 +152,10 @@ def build_drafter(specs, trees, target: nn.Module, target_path: Path, dtype, dev
         if len(trees) != len(specs):
             raise ValueError(f"got {len(trees)} tree configs for {len(specs)} SSMs")
     else:
-        trees = [trees if not _is_lookup(s) else None for s in specs]
+        trees = [trees if not is_lookup_spec(s) else None for s in specs]
     ssms = []
     for spec, tree in zip(specs, trees):
-        if _is_lookup(spec):
+        if is_lookup_spec(spec):
             if tree is not None:
                 raise ValueError(
                     f"{spec!r} takes its shape from its spec (e.g. ngram:depth=5,branches=2), "
@@ -227,8 +227,9 @@ def _read_head_tokens(file: Path, vocab_size: int) -> list[int]:
     return tokens
 
 
-def _is_lookup(spec) -> bool:
-    """A drafter without a model: prompt lookup or earlier requests' continuations."""
+def is_lookup_spec(spec) -> bool:
+    """A drafter without a model (prompt lookup, earlier requests' continuations): its spec
+    gives its shape, it takes no tree config."""
     return isinstance(spec, str) and spec.partition(":")[0] in ("ngram", "suffix")
 
 

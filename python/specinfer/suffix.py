@@ -22,8 +22,10 @@ key=value pairs from max_n, depth, branches, history, corpus, e.g.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -166,6 +168,14 @@ class SuffixDrafter:
                             ends[i] = tree.propose_once(ends[i], chain[d])
             trees.append(tree)
         return trees
+
+    @contextmanager
+    def unrecorded(self):
+        """What is served inside leaves no history (a benchmark's warm-up must not draft the
+        answers it measures from themselves)."""
+        saved = copy.deepcopy(self.history)
+        yield
+        self.history, self.rows = saved, [[] for _ in self.rows]
 
     def commit(self, batch, prefix, paths, trees, max_depths) -> None:
         """Nothing to keep: the row's tokens are read again at the next draft."""
