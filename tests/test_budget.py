@@ -406,3 +406,48 @@ def test_only_a_near_row_count_makes_a_stale_price_lean():
     assert budget.cost[176] == 0.750
     assert budget.cost[24] == pytest.approx(0.080, abs=3e-3)  # 24 <= 2 x 16: leans to 80 ms
     assert budget.cost[39] < 0.090  # 39 > 2 x 16, but 39 <= 2 x 24: it follows 24
+
+
+def test_nodes_are_priced_by_their_drafters_confidence_once_it_is_learned():
+    """A drafter's sure proposals (probability 0.95) are accepted 9 times in 10, its unsure ones
+    (0.05) 1 in 10, at the same depth and rank: the cut values them apart by the confidence bin
+    (one rate for depth 1 would price both at 0.5), keeps the sure chain deep and drops the
+    unsure one, and the rate by depth still pools them all (what `depth` plans with)."""
+    budget = SteepCosts(steepness=0.05)
+
+    def draft(conf, tokens=(1,)):
+        tree, node = TokenTree(9), 0
+        for t in tokens:
+            node = tree.propose(node, t, -1, 0, conf)
+        return tree
+
+    for i in range(200):
+        conf = 0.95 if i % 2 else 0.05
+        hit = (i // 2) % 10 < (9 if i % 2 else 1)
+        budget.observe([draft(conf)], [[0, 1] if hit else [0]])
+    assert budget.values(draft(0.95))[1] == pytest.approx(0.9, abs=0.05)
+    assert budget.values(draft(0.05))[1] == pytest.approx(0.1, abs=0.05)
+    assert budget.values(draft(0.95), confident=False)[1] == pytest.approx(0.5, abs=0.05)
+    assert budget.rate(0, 1) == pytest.approx(0.5, abs=0.05)
+    assert budget.choose([draft(0.95, (1, 2, 3))], GREEDY) == [[0, 1, 2, 3]]
+    assert budget.choose([draft(0.05, (1, 2, 3))], GREEDY) == [[0]]
+    # An untested bin starts at its middle: a drafter's probability is a fair first guess.
+    assert TreeBudget().confident_rate(0, 7) == pytest.approx(0.75)
+
+
+def test_a_node_the_cut_dropped_counts_as_accepted_if_it_was_the_targets_next_token():
+    """Rates are learned from the trees as drafted: a node cut away under the accepted path's
+    end was accepted if the target then took its token (it would have been), else rejected;
+    only nodes whose parent was accepted count as tested."""
+    tree = _chain([1, 2, 3])
+    tree.propose(0, 4, -1, 0)  # node 4: depth 1, rank 1
+    for taken, accepted_at_2 in ((3, 1.0), (7, 0.0)):
+        budget = TreeBudget()
+        budget.observe([tree], [[0, 1, 2]], next_tokens=[taken])  # node 3 was cut, say
+        assert budget.tested[(0, 3, 0, False)] == 1.0
+        assert budget.accepted[(0, 3, 0, False)] == accepted_at_2
+        assert budget.tested[(0, 1, 1, False)] == 1.0 and budget.accepted[(0, 1, 1, False)] == 0
+    budget = TreeBudget()
+    budget.observe([tree], [[0]], next_tokens=[4])  # the target took node 4's token at once
+    assert budget.accepted[(0, 1, 1, False)] == 1.0 and budget.accepted[(0, 1, 0, False)] == 0
+    assert (0, 2, 0, False) not in budget.tested  # its parent was not accepted

@@ -88,8 +88,11 @@ def test_unrolled_training_forward_is_the_serving_draft(tiny_pair):  # noqa: F81
     outs = unrolled_forward(head, ids, padded, passes=3)
     for j in range(3):
         assert torch.allclose(outs[j][0, r + j], spec.drafted[0, j], atol=1e-4), j
-        # and the token it proposes next is the serving draft's
-        assert head.compute_logits(outs[j][0, r + j]).argmax().item() == tree.tokens[j + 1]
+        # and the token it proposes next is the serving draft's, with its probability as the
+        # proposal's confidence (what the cost-aware cut prices it by)
+        probs = head.compute_logits(outs[j][0, r + j]).float().softmax(-1)
+        assert probs.argmax().item() == tree.tokens[j + 1]
+        assert tree.prop_conf[j] == pytest.approx(probs.max().item(), abs=1e-4)
 
 
 def test_a_head_started_from_an_ssm_is_that_ssm(tiny_pair):  # noqa: F811

@@ -94,6 +94,21 @@ def test_merge_of_two_ssms_proposing_the_same_child():
     assert merged.q_rows[1].tolist() == [1.0, 0.0]
 
 
+def test_merge_and_cut_keep_each_proposals_confidence():
+    a, b = TokenTree(ROOT), TokenTree(ROOT)
+    a.propose(a.propose(0, 1, conf=0.9), 2, conf=0.6)
+    b.propose(0, 1, conf=0.3)
+    b.propose_once(0, 4, conf=0.2)
+    b.propose(0, 5)  # no confidence given
+    merged, _ = merge_trees([a, b])
+    assert merged.tokens == [ROOT, 1, 4, 5, 2]
+    assert list(zip(merged.prop_child, merged.prop_source, merged.prop_conf)) == [
+        (1, 0, 0.9), (1, 1, 0.3), (2, 1, 0.2), (3, 1, -1.0), (4, 0, 0.6)]  # fmt: skip
+    cut, _ = merged.subtree([0, 1, 4])
+    assert list(zip(cut.prop_child, cut.prop_source, cut.prop_conf)) == [
+        (1, 0, 0.9), (1, 1, 0.3), (2, 0, 0.6)]  # fmt: skip
+
+
 def test_merge_rejects_different_roots():
     with pytest.raises(ValueError, match="share the root"):
         merge_trees([TokenTree(1), TokenTree(2)])

@@ -43,13 +43,21 @@ def test_longest_suffix_then_the_continuation_most_occurrences_share():
     history.add([9, 2, 3, 4, 6])
     history.add([7, 3, 4, 6, 8])
     # (2, 3) occurs twice, (1, 2, 3) never: after (2, 3) come 4 then 5 or 6 (a tie: the first seen)
-    assert history.chains([0, 2, 3], depth=4, branches=1) == [[4, 5]]
+    assert _tokens(history, [0, 2, 3], depth=4, branches=1) == [[4, 5]]
     # (3, 4): three occurrences, two go on with 6; the chain stops where they all end
-    assert history.chains([3, 4], depth=4, branches=1) == [[6, 8]]
-    assert history.chains([3, 4], depth=4, branches=2) == [[6, 8], [5]]
-    assert history.chains([4], depth=1, branches=2) == [[6], [5]]  # 6 twice, then 5
-    assert history.chains([42], depth=4, branches=1) == []  # never seen
-    assert history.chains([5], depth=4, branches=1) == []  # a sequence's end is no continuation
+    assert _tokens(history, [3, 4], depth=4, branches=1) == [[6, 8]]
+    assert _tokens(history, [3, 4], depth=4, branches=2) == [[6, 8], [5]]
+    assert _tokens(history, [4], depth=1, branches=2) == [[6], [5]]  # 6 twice, then 5
+    assert _tokens(history, [42], depth=4, branches=1) == []  # never seen
+    assert _tokens(history, [5], depth=4, branches=1) == []  # a sequence's end is no continuation
+    # Each token's share of the occurrences followed, over one more: 4 follows both (2, 3), then
+    # 5 one of those two; 6 follows two of three (3, 4), then 8 one of those (the other ends).
+    assert history.chains([2, 3], depth=2, branches=1) == [[(4, 2 / 3), (5, 1 / 3)]]
+    assert history.chains([3, 4], depth=2, branches=1) == [[(6, 2 / 4), (8, 1 / 3)]]
+
+
+def _tokens(history, context, **kwargs):
+    return [[token for token, _ in chain] for chain in history.chains(context, **kwargs)]
 
 
 def test_history_forgets_its_older_half_past_its_capacity():
@@ -57,9 +65,9 @@ def test_history_forgets_its_older_half_past_its_capacity():
     history.add([1, 2, 3])
     history.add([4, 5, 6])
     history.add([7, 8, 9])  # 12 tokens with the ends: the older half, [1, 2, 3], goes
-    assert history.chains([1], depth=2, branches=1) == []
-    assert history.chains([4], depth=2, branches=1) == [[5, 6]]
-    assert history.chains([7], depth=2, branches=1) == [[8, 9]]
+    assert _tokens(history, [1], depth=2, branches=1) == []
+    assert _tokens(history, [4], depth=2, branches=1) == [[5, 6]]
+    assert _tokens(history, [7], depth=2, branches=1) == [[8, 9]]
     assert len(history.tokens) == 8
 
 

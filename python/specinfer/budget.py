@@ -4,7 +4,10 @@ A node is worth its place in the target's tree forward when it raises the expect
 second of the step. Its value is the chance that its whole path gets accepted: the product, down
 the path, of each node's conditional acceptance rate (its parent accepted), estimated per
 drafter, depth and rank among its siblings (a drafter's top-1 child is accepted far more often
-than its top-2) from the verifications so far. The step's cost is the target forward's time for the
+than its top-2) from the verifications so far; or, where the drafter said how sure it was (an
+SSM's probability of the token, the suffix drafter's share of matches), per drafter and bin of
+that confidence, so a tree is cut where its drafter grows unsure, and the width follows how sure
+the drafts of each step are. The step's cost is the target forward's time for the
 batch at a given tree width (measured, per width) plus what the step spends besides (drafting,
 verification, commit). `choose` keeps, per request, the most valuable nodes, as many as the
 width that maximises expected tokens / step time.
@@ -53,6 +56,11 @@ from specinfer.sampling import SamplingParams
 from specinfer.tree import TokenTree
 
 PRIOR = 2.0  # pseudo-counts pulling a depth's rate towards the depth above (or 0.5 at depth 1)
+# A proposal its drafter gives a confidence (its probability of the token) is priced by how often
+# proposals of that drafter in the same confidence bin were accepted: on held-out text the
+# default SSM's top-1 drafts with probability below 0.1 were accepted 8% of the time, those
+# above 0.9 95% (EAGLE-2's observation), where its depth-1 rate pools them all at ~40%.
+CONF_BINS = 10
 DECAY = 0.98  # weight of the past per observed step: rates follow the text being generated
 SMOOTH = 0.25  # weight of the newest timing of a width
 # Per step, what a row count not timed that step costs above the next smaller count shrinks by
@@ -111,11 +119,26 @@ class TreeBudget:
         )  # kept until a verification changes the counts
         return self._rates[key]
 
-    def values(self, tree: TokenTree) -> list[float]:
-        """Each node's chance of being accepted (the root: 1)."""
+    def confident_rate(self, drafter: int, conf_bin: int) -> float:
+        """Conditional acceptance of a node `drafter` proposed with a confidence in bin
+        `conf_bin` (at any depth or rank); seldom tested, the bin's middle."""
+        key = (drafter, "conf", conf_bin)
+        if key not in self._rates:
+            prior = (conf_bin + 0.5) / CONF_BINS
+            self._rates[key] = (self.accepted.get(key, 0.0) + PRIOR * prior) / (
+                self.tested.get(key, 0.0) + PRIOR
+            )
+        return self._rates[key]
+
+    def values(self, tree: TokenTree, confident: bool = True) -> list[float]:
+        """Each node's chance of being accepted (the root: 1); `confident`: priced by its
+        drafter's confidence where it gave one, else by depth and rank alone."""
         best = [0.0] * len(tree)
-        for child, source, kind in zip(tree.prop_child, tree.prop_source, _kinds(tree)):
-            best[child] = max(best[child], self.rate(source, tree.depths[child], *kind))
+        for child, source, kind, conf in zip(tree.prop_child, tree.prop_source, _kinds(tree),
+                                             tree.prop_conf):  # fmt: skip
+            rate = (self.confident_rate(source, _conf_bin(conf)) if confident and conf >= 0
+                    else self.rate(source, tree.depths[child], *kind))  # fmt: skip
+            best[child] = max(best[child], rate)
         value = [1.0]
         for n in range(1, len(tree)):  # parents come before children
             value.append(value[tree.parents[n]] * best[n])
@@ -132,12 +155,27 @@ class TreeBudget:
         if all(fixed):
             return whole
         floor = max((len(t) for t, f in zip(trees, fixed) if f), default=1)
+        cut = self._cut(trees, fixed, floor, confident=True)
+        if cut is None:
+            return whole  # nothing timed yet: verify everything and learn
+        # A drafter drafts before it knows how sure it will be, so whether its drafting pays is
+        # judged by what its nodes are worth on an average step (by depth and rank): a drafter
+        # unsure for a few steps in a row keeps drafting for the steps where it is sure.
+        self._note_idle(trees, *self._cut(trees, fixed, floor, confident=False), floor, draft_s)
+        return cut[0]
+
+    def _cut(self, trees: list[TokenTree], fixed: list[bool], floor: int, confident: bool):
+        """The cut at the width that maximises expected tokens per second (None: nothing timed
+        yet), with what `_note_idle` judges it by: per tree its nodes best first (None: kept
+        whole) and their values, and the expected tokens (None where plain decoding would be
+        faster)."""
+        whole = [list(range(len(t))) for t in trees]
         widest = max(len(t) for t in trees)
         orders: list[list[int] | None] = []
         values: list[list[float]] = []
         gains = [float(len(trees))] * widest  # gains[w - 1]: expected tokens at width w
         for tree, f in zip(trees, fixed):
-            value = self.values(tree)
+            value = self.values(tree, confident)
             values.append(value)
             if f:  # kept whole at every width
                 orders.append(None)
@@ -149,20 +187,19 @@ class TreeBudget:
             top = list(accumulate((value[n] for n in order), initial=0.0))  # top[k]: best k nodes
             for width in range(1, widest + 1):
                 gains[width - 1] += top[min(width - 1, len(order))]
-            self._learn_curve(top)
+            if not confident:
+                self._learn_curve(top)
         best, best_score = widest, -1.0
         for width in range(floor, widest + 1):
             seconds = self.rest + self.drafting * len(trees) + self.estimate(len(trees), width)
             if seconds <= 0:
-                return whole  # nothing timed yet: verify everything and learn
+                return None
             if gains[width - 1] / seconds > best_score:
                 best, best_score = width, gains[width - 1] / seconds
         kept = [keep if order is None else sorted([0] + order[: best - 1])
                 for keep, order in zip(whole, orders)]  # fmt: skip
         plain = len(trees) / max(self.rest + self.estimate(len(trees), 1), 1e-9)
-        tokens = gains[best - 1] if best_score > plain else None
-        self._note_idle(trees, kept, orders, values, tokens, floor, draft_s)
-        return kept
+        return kept, orders, values, gains[best - 1] if best_score > plain else None
 
     def _note_idle(self, trees: list[TokenTree], kept: list[list[int]],
                    orders: list[list[int] | None], values: list[list[float]],
@@ -344,19 +381,32 @@ class TreeBudget:
         bounds = [self.cost[r] for r in below] + [self.cost[r] * rows / r for r in above]
         return max(bounds, default=0.0)
 
-    def observe(self, trees: list[TokenTree], paths: list[list[int]]) -> None:
-        """Learn from a verification: every node whose parent was accepted was tested."""
+    def observe(self, trees: list[TokenTree], paths: list[list[int]],
+                next_tokens: list[int] | None = None) -> None:  # fmt: skip
+        """Learn from a verification: every node whose parent was accepted was tested. `trees`
+        may be the trees as drafted, before the cut (paths in their node ids), with the token
+        the target took after each path (`next_tokens`): a node the cut dropped under the path's
+        end counts as accepted if it is that token, as it would have been. So the rates are
+        learned from every drafted node, not only the ones the cut kept (those are the likelier
+        ones: their rates alone would rise, and trees be drafted deeper than pays)."""
         self._rates.clear()
         for key in self.tested:
             self.tested[key] *= DECAY
             self.accepted[key] *= DECAY
-        for tree, path in zip(trees, paths):
+        for b, (tree, path) in enumerate(zip(trees, paths)):
             on_path = set(path)
-            for child, source, kind in set(zip(tree.prop_child, tree.prop_source, _kinds(tree))):
+            # The node the target's next token would have been, had the tree held it.
+            after = -1 if next_tokens is None else tree.children[path[-1]].get(next_tokens[b], -1)
+            props = zip(tree.prop_child, tree.prop_source, _kinds(tree), tree.prop_conf)
+            for child, source, kind, conf in set(props):
                 if tree.parents[child] in on_path:
-                    key = (source, tree.depths[child], *kind)
-                    self.tested[key] = self.tested.get(key, 0.0) + 1
-                    self.accepted[key] = self.accepted.get(key, 0.0) + (child in on_path)
+                    hit = child in on_path or child == after
+                    keys = [(source, tree.depths[child], *kind)]  # what `depth` plans with
+                    if conf >= 0:
+                        keys.append((source, "conf", _conf_bin(conf)))
+                    for key in keys:
+                        self.tested[key] = self.tested.get(key, 0.0) + 1
+                        self.accepted[key] = self.accepted.get(key, 0.0) + hit
 
     def time_step(self, batch: int, width: int, target_s: float, rest_s: float,
                   draft_s: float | None = None) -> None:  # fmt: skip
@@ -390,6 +440,10 @@ class TreeBudget:
             if r != timed and below is not None and r <= 2 * below and self.cost[r] > floor:
                 self.cost[r] = floor + STALE * (self.cost[r] - floor)
             floor, below = max(floor, self.cost[r]), r
+
+
+def _conf_bin(conf: float) -> int:
+    return min(int(conf * CONF_BINS), CONF_BINS - 1)
 
 
 def _kinds(tree: TokenTree) -> list[tuple[int, bool]]:

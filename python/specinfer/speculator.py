@@ -225,14 +225,14 @@ class Speculator:
             k = min(width, logits.shape[-1])
             tokens, probs = ops.topk_expand(logits, k, params.temperature)
             children = [
-                (paths[node] * p, node, t)
+                (paths[node] * p, node, t, p)
                 for node, row, ps in zip(nodes, self._vocab_ids(tokens).tolist(), probs.tolist())
                 for t, p in zip(row, ps)
             ]
             if self.tree.beam is not None:
                 children.sort(key=lambda c: -c[0])  # stable: ties keep the parents' order
-            for path, node, t in children:
-                if tree.propose(node, t) == len(paths):
+            for path, node, t, p in children:
+                if tree.propose(node, t, conf=p) == len(paths):
                     paths.append(path)
             return
         q = probabilities(logits, params.temperature, params.top_k, params.top_p)

@@ -90,8 +90,10 @@ class History:
                 self.add(kept[start:i])
                 start = i + 1
 
-    def chains(self, context: list[int], depth: int, branches: int) -> list[list[int]]:
-        """Up to `branches` continuations of the longest suffix of `context` found here."""
+    def chains(self, context: list[int], depth: int,
+               branches: int) -> list[list[tuple[int, float]]]:  # fmt: skip
+        """Up to `branches` continuations of the longest suffix of `context` found here, each
+        token with its share of the occurrences followed there (the drafter's confidence)."""
         for n in range(min(self.max_n, len(context)), 0, -1):
             positions = self.after.get(tuple(context[-n:]))
             if positions:
@@ -101,18 +103,26 @@ class History:
         positions = positions[-MATCHES:]
         firsts = Counter(self.tokens[p] for p in positions)
         chains = []
-        for first, _ in firsts.most_common(branches):
-            chain, alive = [first], [p for p in positions if self.tokens[p] == first]
+        for first, count in firsts.most_common(branches):
+            chain = [(first, _share(count, len(positions)))]
+            alive = [p for p in positions if self.tokens[p] == first]
             while len(chain) < depth:
                 counts = Counter(self.tokens[p + len(chain)] for p in alive)
+                total = len(alive)  # an end of a sequence counts against every token
                 counts.pop(END, None)
                 if not counts:
                     break
-                token = counts.most_common(1)[0][0]
+                token, count = counts.most_common(1)[0]
                 alive = [p for p in alive if self.tokens[p + len(chain)] == token]
-                chain.append(token)
+                chain.append((token, _share(count, total)))
             chains.append(chain)
         return chains
+
+
+def _share(count: int, total: int) -> float:
+    """count of total occurrences, shrunk towards 0 by one unseen occurrence: a single match
+    says less than ten that agree."""
+    return count / (total + 1)
 
 
 class SuffixDrafter:
@@ -165,7 +175,7 @@ class SuffixDrafter:
                 for d in range(max(map(len, chains), default=0)):  # level by level, as SSMs number
                     for i, chain in enumerate(chains):
                         if d < len(chain):
-                            ends[i] = tree.propose_once(ends[i], chain[d])
+                            ends[i] = tree.propose_once(ends[i], *chain[d])
             trees.append(tree)
         return trees
 

@@ -11,6 +11,8 @@ draws of the same token are one node but two proposals: the verifier must see bo
 Several SSMs' trees merge into one (`merge_trees`, the paper's Definition 3.2): every token
 sequence of every tree appears once, and each proposal keeps its SSM (`prop_source`) and the
 distribution that SSM drew it from, so the verifier tests each draw against its own distribution.
+A proposal may also carry its drafter's confidence in it (`prop_conf`: the drafter's probability
+of the token after its parent, -1 when it has none), which the cost-aware cut prices nodes by.
 """
 
 from __future__ import annotations
@@ -93,12 +95,14 @@ class TokenTree:
         self.prop_child: list[int] = []
         self.prop_q: list[int] = []
         self.prop_source: list[int] = []  # which SSM made each proposal (index in a merge)
+        self.prop_conf: list[float] = []  # the drafter's probability of it (-1: none given)
         self.q_rows: list[torch.Tensor] = []  # distributions sampled children were drawn from
 
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def propose(self, parent: int, token: int, q_row: int = -1, source: int = 0) -> int:
+    def propose(self, parent: int, token: int, q_row: int = -1, source: int = 0,
+                conf: float = -1.0) -> int:  # fmt: skip
         """Record one proposal of `token` under `parent`; returns the (possibly existing) node."""
         node = self.children[parent].get(token)
         if node is None:
@@ -112,13 +116,14 @@ class TokenTree:
         self.prop_child.append(node)
         self.prop_q.append(q_row)
         self.prop_source.append(source)
+        self.prop_conf.append(conf)
         return node
 
-    def propose_once(self, parent: int, token: int) -> int:
+    def propose_once(self, parent: int, token: int, conf: float = -1.0) -> int:
         """A point-mass proposal of `token` unless `parent` already has that child (a second
         point mass at the same token could never be accepted: the first rejection zeroes it)."""
         node = self.children[parent].get(token)
-        return self.propose(parent, token) if node is None else node
+        return self.propose(parent, token, conf=conf) if node is None else node
 
     def add_distribution(self, q: torch.Tensor) -> int:
         self.q_rows.append(q)
@@ -172,7 +177,8 @@ class TokenTree:
         kept = sorted((new_id[c], p) for p, c in enumerate(self.prop_child) if new_id[c] > 0)
         for _, p in kept:
             token = self.tokens[self.prop_child[p]]
-            tree.propose(new_id[self.prop_parent[p]], token, self.prop_q[p], self.prop_source[p])
+            tree.propose(new_id[self.prop_parent[p]], token, self.prop_q[p], self.prop_source[p],
+                         self.prop_conf[p])  # fmt: skip
         return tree, new_id
 
 
@@ -209,5 +215,6 @@ def merge_trees(trees: list[TokenTree]) -> tuple[TokenTree, list[list[int]]]:
                 tree.tokens[child],
                 q + q_offsets[i] if q >= 0 else -1,
                 i,
+                tree.prop_conf[p],
             )
     return merged, maps

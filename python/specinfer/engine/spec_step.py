@@ -33,7 +33,7 @@ def speculative_step(seqs: list[Sequence], kv, runner: ModelRunner, drafter, bud
     depths = [_depths(i, ssm, seqs, max_depths, i in run, budget)
               for i, ssm in enumerate(drafter.ssms)]  # fmt: skip
     t0 = time.perf_counter()
-    trees = drafter.draft(seqs, tokens, depths)
+    trees = drafted = drafter.draft(seqs, tokens, depths)
     for i, (ssm, caps) in enumerate(zip(drafter.ssms, depths)):
         if ssm.sized:
             budget.time_levels(i, max(caps), drafter.last_times[i], len(seqs))
@@ -63,7 +63,8 @@ def speculative_step(seqs: list[Sequence], kv, runner: ModelRunner, drafter, bud
     drafter.commit(seqs, prefix, paths)
     t4 = time.perf_counter()
     if budget:
-        budget.observe(trees, paths)
+        budget.observe(drafted, [_drafted_path(d, t, p) for d, t, p in zip(drafted, trees, paths)],
+                       [nxt for _, nxt in verified])  # fmt: skip
         budget.time_step(len(seqs), max(len(t) for t in trees), t2 - t1, t4 - t2,
                          t1 - t0 if run else None)  # fmt: skip
     drafter.record([s.metrics for s in seqs], paths)
@@ -80,6 +81,14 @@ def speculative_step(seqs: list[Sequence], kv, runner: ModelRunner, drafter, bud
             accepted[depth] += 1
     new = [tree.path_tokens(path[1:]) + [nxt] for tree, (path, nxt) in zip(trees, verified)]
     return new, trees
+
+
+def _drafted_path(drafted: TokenTree, tree: TokenTree, path: list[int]) -> list[int]:
+    """A path of the cut `tree` in the node ids of the tree it was cut from."""
+    nodes = [0]
+    for n in path[1:]:
+        nodes.append(drafted.children[nodes[-1]][tree.tokens[n]])
+    return nodes
 
 
 def _depths(i: int, ssm, seqs: list[Sequence], max_depths: list[int], runs: bool,
