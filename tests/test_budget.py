@@ -145,12 +145,14 @@ def _sized(streamed: bool) -> TreeBudget:
         budget.cost[rows] = max(0.200, 0.010 + 0.006 * rows) if streamed else 0.014 + 0.006 * rows
     for depth in range(1, 9):  # best children accepted 6 times in 10 at every depth, second 2
         for rank, accepted in ((0, 60.0), (1, 20.0)):
-            budget.tested[(0, depth, rank)], budget.accepted[(0, depth, rank)] = 100.0, accepted
+            key = (0, depth, rank, False)  # drafter, depth, rank, contested
+            budget.tested[key], budget.accepted[key] = 100.0, accepted
     return budget
 
 
 def test_sized_trees_grow_where_rows_are_cheap_and_stay_shallow_where_they_cost():
     widths = (2, 2, 2, 1, 1, 1, 1, 1)
+    assert _sized(streamed=True).rate(0, 5, 1) == pytest.approx(0.2, abs=0.01)  # as set up
     deep, shallow = _sized(streamed=True).depth(0, widths, 1), _sized(False).depth(0, widths, 1)
     assert deep >= 4 and shallow <= 2, (deep, shallow)
     # A batch of 16 makes every row count (16 rows a level): the tree shrinks.
