@@ -145,7 +145,11 @@ def test_greedy_with_penalties_equals_incremental(tiny_pair, ssm, tree, adaptive
         spec.budget = SteepCosts(steepness=0.005)
     outs = spec.generate(prompts, params)
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
-    assert outs[0].metrics["accepted_per_depth"], "nothing was accepted: speculation untested"
+    # Any request's accepted drafts test the penalised verification (the cut, pricing this
+    # unrelated SSM's drafts by their learned low rates, may leave one request none).
+    assert any(o.metrics["accepted_per_depth"] for o in outs), (
+        "nothing accepted: speculation untested"
+    )
     assert not adaptive or spec.budget.cut > 0, "nothing was cut: the cut untested"
 
 
