@@ -22,7 +22,7 @@ from results_io import save
 from specinfer import Engine, SamplingParams
 from specinfer.default_model import DEFAULT_SSM_DIR, default_feature_path, local_model_path
 from specinfer.loader import load_model
-from specinfer.training.feature import UNROLL, _batch, unrolled_forward
+from specinfer.training.feature import UNROLL, draft_logits
 from specinfer.training.scoring import completion_logits, completion_outputs
 
 BINS = 10
@@ -69,15 +69,11 @@ def main() -> None:
     examples = [{"prompt": p, "completion": c, "features": h.clone()}
                 for (p, c), (_, h) in zip(seqs, completion_outputs(target, seqs, desc="features"))]  # fmt: skip
     per_level = [([], []) for _ in range(UNROLL)]
-    for start in range(0, len(examples), 8):
-        batch = examples[start : start + 8]
-        ids, feats, _ = _batch(batch)
-        for level, out in enumerate(unrolled_forward(head, ids, feats)):
-            for b, e in enumerate(batch):
-                P, C = len(e["prompt"]), len(e["completion"])
-                top = head.compute_logits(out[b, P - 1 : P - 1 + C]).softmax(-1).max(-1)
-                per_level[level][0].append(top.values)
-                per_level[level][1].append(top.indices == torch.tensor(e["completion"]))
+    for e, per_pass in zip(examples, draft_logits(head, examples, desc="feature head")):
+        for (probs, hits), logits in zip(per_level, per_pass):
+            top = logits.softmax(-1).max(-1)
+            probs.append(top.values)
+            hits.append(top.indices == torch.tensor(e["completion"]))
     result["feature_head"] = [calibration(p, h) for p, h in per_level]
     for name, rows in (
         ("default SSM", [result["default_ssm"]]),

@@ -114,20 +114,22 @@ class TreeBudget:
             prior = 0.5 if depth == 1 else self.rate(drafter, depth - 1)
         else:
             prior = self.rate(drafter, depth, rank - 1) / 2
-        self._rates[key] = (self.accepted.get(key, 0.0) + PRIOR * prior) / (
-            self.tested.get(key, 0.0) + PRIOR
-        )  # kept until a verification changes the counts
-        return self._rates[key]
+        return self._smoothed(key, prior)
 
     def confident_rate(self, drafter: int, conf_bin: int) -> float:
         """Conditional acceptance of a node `drafter` proposed with a confidence in bin
         `conf_bin` (at any depth or rank); seldom tested, the bin's middle."""
         key = (drafter, "conf", conf_bin)
-        if key not in self._rates:
-            prior = (conf_bin + 0.5) / CONF_BINS
-            self._rates[key] = (self.accepted.get(key, 0.0) + PRIOR * prior) / (
-                self.tested.get(key, 0.0) + PRIOR
-            )
+        if key in self._rates:
+            return self._rates[key]
+        return self._smoothed(key, (conf_bin + 0.5) / CONF_BINS)
+
+    def _smoothed(self, key: tuple, prior: float) -> float:
+        """key's acceptance rate, pulled towards `prior` by PRIOR pseudo-counts; kept until a
+        verification changes the counts."""
+        self._rates[key] = (self.accepted.get(key, 0.0) + PRIOR * prior) / (
+            self.tested.get(key, 0.0) + PRIOR
+        )
         return self._rates[key]
 
     def values(self, tree: TokenTree, confident: bool = True) -> list[float]:
@@ -155,20 +157,24 @@ class TreeBudget:
         if all(fixed):
             return whole
         floor = max((len(t) for t, f in zip(trees, fixed) if f), default=1)
-        cut = self._cut(trees, fixed, floor, confident=True)
+        has_conf = any(c >= 0 for t in trees for c in t.prop_conf)
+        cut = self._cut(trees, fixed, floor, confident=True, judged=not has_conf)
         if cut is None:
             return whole  # nothing timed yet: verify everything and learn
         # A drafter drafts before it knows how sure it will be, so whether its drafting pays is
         # judged by what its nodes are worth on an average step (by depth and rank): a drafter
-        # unsure for a few steps in a row keeps drafting for the steps where it is sure.
-        self._note_idle(trees, *self._cut(trees, fixed, floor, confident=False), floor, draft_s)
+        # unsure for a few steps in a row keeps drafting for the steps where it is sure. Without
+        # any confidence in the trees the two cuts are one.
+        judging = self._cut(trees, fixed, floor, confident=False, judged=True) if has_conf else cut
+        self._note_idle(trees, *judging, floor, draft_s)
         return cut[0]
 
-    def _cut(self, trees: list[TokenTree], fixed: list[bool], floor: int, confident: bool):
+    def _cut(self, trees: list[TokenTree], fixed: list[bool], floor: int, confident: bool,
+             judged: bool):  # fmt: skip
         """The cut at the width that maximises expected tokens per second (None: nothing timed
         yet), with what `_note_idle` judges it by: per tree its nodes best first (None: kept
         whole) and their values, and the expected tokens (None where plain decoding would be
-        faster)."""
+        faster). `judged`: the cut drafters are judged by, whose values `curve` follows."""
         whole = [list(range(len(t))) for t in trees]
         widest = max(len(t) for t in trees)
         orders: list[list[int] | None] = []
@@ -187,7 +193,7 @@ class TreeBudget:
             top = list(accumulate((value[n] for n in order), initial=0.0))  # top[k]: best k nodes
             for width in range(1, widest + 1):
                 gains[width - 1] += top[min(width - 1, len(order))]
-            if not confident:
+            if judged:
                 self._learn_curve(top)
         best, best_score = widest, -1.0
         for width in range(floor, widest + 1):
@@ -401,7 +407,8 @@ class TreeBudget:
             for child, source, kind, conf in set(props):
                 if tree.parents[child] in on_path:
                     hit = child in on_path or child == after
-                    keys = [(source, tree.depths[child], *kind)]  # what `depth` plans with
+                    # By depth and rank: what `depth` plans and drafters are judged with.
+                    keys = [(source, tree.depths[child], *kind)]
                     if conf >= 0:
                         keys.append((source, "conf", _conf_bin(conf)))
                     for key in keys:

@@ -159,13 +159,11 @@ def _batch(batch: list[dict]):
 
 
 @torch.no_grad()
-def chain_acceptance(head: FeatureHead, examples: list[dict], batch_size: int = 8,
-                     desc: str | None = None) -> dict[str, float]:  # fmt: skip
-    """Teacher-forced on the target's completions: from each completion slot, the fraction of
-    drafts whose first d tokens (the head's top token at each depth, after the true tokens)
-    are all the target's, d = 1..UNROLL ("depth1".. keys; their sum is the expected number of
-    tokens a chain of UNROLL gets accepted)."""
-    matches = []
+def draft_logits(head: FeatureHead, examples: list[dict], batch_size: int = 8,
+                 desc: str | None = None):  # fmt: skip
+    """Per example, teacher-forced on its completion: each unrolled pass's logits [C, V] at the
+    completion slots (pass d at completion index c guesses completion[c], from d guessed
+    features before it)."""
     for start in tqdm(range(0, len(examples), batch_size), desc=desc, disable=desc is None,
                       leave=False):  # fmt: skip
         batch = examples[start : start + batch_size]
@@ -173,10 +171,17 @@ def chain_acceptance(head: FeatureHead, examples: list[dict], batch_size: int = 
         outs = unrolled_forward(head, ids, feats)
         for b, e in enumerate(batch):
             P, C = len(e["prompt"]), len(e["completion"])
-            want = torch.tensor(e["completion"])
-            # Pass d at completion index c (slot P - 1 + c) guesses completion[c].
-            matches.append([head.compute_logits(out[b, P - 1 : P - 1 + C]).argmax(-1) == want
-                            for out in outs])  # fmt: skip
+            yield [head.compute_logits(out[b, P - 1 : P - 1 + C]) for out in outs]
+
+
+def chain_acceptance(head: FeatureHead, examples: list[dict], batch_size: int = 8,
+                     desc: str | None = None) -> dict[str, float]:  # fmt: skip
+    """Teacher-forced on the target's completions: from each completion slot, the fraction of
+    drafts whose first d tokens (the head's top token at each depth, after the true tokens)
+    are all the target's, d = 1..UNROLL ("depth1".. keys; their sum is the expected number of
+    tokens a chain of UNROLL gets accepted)."""
+    matches = [[logits.argmax(-1) == torch.tensor(e["completion"]) for logits in per_pass]
+               for e, per_pass in zip(examples, draft_logits(head, examples, batch_size, desc))]  # fmt: skip
     return chain_rates(matches)
 
 
