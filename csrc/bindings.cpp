@@ -112,14 +112,14 @@ class OpGraph {
 
 void tree_attention(py::handle q, py::handle k_cache, py::handle v_cache, py::handle cache_rows,
                     py::handle prefix_lens, py::handle tree_mask, py::handle out, float scale,
-                    uintptr_t stream) {
+                    uintptr_t stream, bool check_indices) {
   const std::string op = "tree_attention";
   Borrowed bq = borrow(q, op, "q"), bk = borrow(k_cache, op, "k_cache"),
            bv = borrow(v_cache, op, "v_cache"), brows = borrow(cache_rows, op, "cache_rows"),
            bprefix = borrow(prefix_lens, op, "prefix_lens"),
            bmask = borrow(tree_mask, op, "tree_mask"), bout = borrow(out, op, "out");
   TreeAttentionArgs args{bq.view,      bk.view,    bv.view,   brows.view,
-                         bprefix.view, bmask.view, bout.view, scale};
+                         bprefix.view, bmask.view, bout.view, scale, check_indices};
   check_tree_attention_args(args);
   if (args.q.device == Device::kCPU) {
     OpGraph::run({&bq, &bk, &bv, &brows, &bprefix, &bmask, &bout}, [args] {
@@ -300,9 +300,10 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "specinfer compiled core; see specinfer.ops for the Python-facing wrappers";
   m.def("tree_attention", &tree_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("cache_rows"), py::arg("prefix_lens"), py::arg("tree_mask"), py::arg("out"),
-        py::arg("scale"), py::arg("stream") = 0,
+        py::arg("scale"), py::arg("stream") = 0, py::arg("check_indices") = true,
         "Tree attention into `out` (semantics: specinfer.ops.tree_attention_reference). "
-        "`stream` is the cudaStream_t (as int) for CUDA tensors.");
+        "`stream` is the cudaStream_t (as int) for CUDA tensors; check_indices=False skips "
+        "the host check of cache_rows and prefix_lens on CUDA (no copy, no wait).");
   m.def("linear", &linear, py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"),
         "out = x @ weight.T + bias on cpu (bias may be None); float32 or bfloat16.");
   py::class_<OpGraph>(m, "OpGraph",

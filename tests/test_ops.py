@@ -340,7 +340,7 @@ def test_tree_attention_cuda(dtype, head_dim, heads, tokens, layout):
             gen, batch, tokens, prefixes, heads, head_dim, dtype, layout=layout, device="cuda"
         )
         expected = ops.tree_attention_reference(*args)
-        got = ops.tree_attention(*args)
+        got = ops.tree_attention(*args, check_indices=False)  # as the models call it
         tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(got.float(), expected.float(), **tol)
 
@@ -358,9 +358,20 @@ def test_tree_attention_cuda(dtype, head_dim, heads, tokens, layout):
     mask_dtype=st.sampled_from([torch.bool, torch.uint8]),
     layout=st.sampled_from(["contiguous", "seq_major", "padded"]),
     seed=st.integers(0, 2**31),
+    check_indices=st.booleans(),
 )
 def test_tree_attention_cuda_random(
-    batch, tokens, prefix, heads, head_dim, dtype, index_dtype, mask_dtype, layout, seed
+    batch,
+    tokens,
+    prefix,
+    heads,
+    head_dim,
+    dtype,
+    index_dtype,
+    mask_dtype,
+    layout,
+    seed,
+    check_indices,
 ):
     """Trees past 64 nodes (several packed mask words and query-row blocks), a prefix length per
     request, GQA, every dtype, index and mask dtype and cache layout."""
@@ -379,9 +390,33 @@ def test_tree_attention_cuda_random(
         device="cuda",
     )
     expected = ops.tree_attention_reference(*args)
-    got = ops.tree_attention(*args)
+    got = ops.tree_attention(*args, check_indices=check_indices)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got.float(), expected.float(), **tol)
+
+
+@gpu
+def test_tree_attention_cuda_unchecked_indices_never_read_outside():
+    """Unchecked, a key at a row past the cache or a position past its row is skipped: request 1
+    (row 9 of 4) sees nothing and gets zeros; request 0 keeps only the slots its row holds."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, rows, prefix, mask = make_case(gen, 2, 3, [4, 5], (9, 3), 64, device="cuda")
+    got = ops.tree_attention(
+        q, k, v, torch.tensor([0, 9], device="cuda"), prefix, mask, check_indices=False
+    )
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    seq = k.shape[2]
+    prefix = torch.tensor([seq - 1, 4], device="cuda")  # request 0's tree runs past its row
+    got = ops.tree_attention(q, k, v, rows, prefix, mask, check_indices=False)
+    # Request 0's first node sits at slot seq - 1, the last its row holds; the other two slots do
+    # not exist. The same attention, stated with the tree at slots seq - 3 .. seq - 1 and its
+    # first two columns seeing everything: slot seq - 1 seen as mask column 0 says.
+    same = torch.ones(1, 3, 3, dtype=torch.bool, device="cuda")
+    same[0, :, 2] = mask[0, :, 0]
+    expected = ops.tree_attention_reference(
+        q[:1], k, v, rows[:1], torch.tensor([seq - 3], device="cuda"), same
+    )
+    torch.testing.assert_close(got[:1], expected)
 
 
 @gpu

@@ -19,6 +19,10 @@ struct TreeAttentionArgs {
   TensorView tree_mask;    // [B, T, M] bool/uint8, M >= T
   TensorView out;          // [B, T, Hq, D]
   float scale = 1.0f;
+  // On cuda, checking cache_rows and prefix_lens copies them to the host and waits for the
+  // stream; a caller that built them itself (the models) skips that. Unchecked, a key at an
+  // out-of-range row or block is skipped, never read. The cpu path always checks (no copy).
+  bool check_indices = true;
 
   int64_t batch() const { return q.shape[0]; }
   int64_t tokens() const { return q.shape[1]; }

@@ -54,6 +54,21 @@ std::vector<int64_t> indices_to_host(const TensorView& v, cudaStream_t stream) {
   return out;
 }
 
+// Key splits per request: enough blocks for about two waves over the GPU's multiprocessors,
+// each split at least kMinSplitTiles tiles of the longest prefix the caches can hold.
+constexpr int kMinSplitTiles = 4;
+constexpr int kMaxSplits = 32;
+
+int choose_splits(const TreeAttentionParams& p, int64_t blocks, int device) {
+  int sms = 0;
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), kOp,
+        "cudaDeviceGetAttribute");
+  const int64_t capacity_tiles = (p.blocks * p.seq_len + kKeyTile - 1) / kKeyTile;
+  const int64_t wanted = (2 * int64_t(sms) + blocks - 1) / blocks;
+  return int(std::max<int64_t>(
+      1, std::min({wanted, capacity_tiles / kMinSplitTiles, int64_t(kMaxSplits)})));
+}
+
 template <typename T, int D>
 void launch(const TreeAttentionParams& p, int batch, cudaStream_t stream) {
   constexpr size_t smem = tree_attention_smem_bytes<D>();
@@ -61,9 +76,14 @@ void launch(const TreeAttentionParams& p, int batch, cudaStream_t stream) {
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)), kOp,
         "cudaFuncSetAttribute");
   const int row_blocks = (p.tokens * p.group + kRowsPerBlock - 1) / kRowsPerBlock;
-  dim3 grid(unsigned(batch) * unsigned(p.kv_heads), unsigned(row_blocks));
+  dim3 grid(unsigned(batch) * unsigned(p.kv_heads), unsigned(row_blocks), unsigned(p.splits));
   kernel<<<grid, kWarps * 32, smem, stream>>>(p);
   check(cudaGetLastError(), kOp, "kernel launch");
+  if (p.splits > 1) {
+    const int64_t threads = int64_t(batch) * p.tokens * p.q_heads * 32;
+    combine_splits<T><<<unsigned((threads + 255) / 256), 256, 0, stream>>>(p, batch);
+    check(cudaGetLastError(), kOp, "combine launch");
+  }
 }
 
 // The kernel's padded width: head_dim rounded up to 32, 64, 128 or 256.
@@ -80,6 +100,16 @@ void launch_dtype(const TreeAttentionParams& p, int batch, cudaStream_t stream) 
   }
 }
 
+// 16-byte loads need every K/V row start (and the cache base) 16-byte aligned.
+bool allows_vector_loads(const TensorView& cache, int64_t head_dim) {
+  const int64_t vec = cache.dtype == DType::kFloat32 ? 4 : 8;  // elements in 16 bytes
+  if (head_dim % vec != 0 || reinterpret_cast<uintptr_t>(cache.data) % 16 != 0) return false;
+  for (int i = 0; i < 3; ++i) {
+    if (cache.shape[i] > 1 && cache.strides[i] % vec != 0) return false;
+  }
+  return true;
+}
+
 }  // namespace
 }  // namespace cuda
 
@@ -94,17 +124,19 @@ void tree_attention_cuda(const TreeAttentionArgs& a, uintptr_t stream_handle) {
     fail(kOp, "head_dim " + std::to_string(a.head_dim()) + " is not supported on cuda (at most " +
                   std::to_string(kMaxHeadDim) + ")");
   }
-  // Grid limits: x = batch * kv_heads, y = query-row blocks (at most 65535).
+  // Grid limits: x = batch * kv_heads, y = query-row blocks (at most 65535); rows are int.
   if (a.batch() * a.kv_heads() >= (int64_t(1) << 31) ||
       a.tokens() * a.group() > int64_t(65535) * kRowsPerBlock ||
-      a.batch() * a.tokens() >= (int64_t(1) << 31) / 4) {
+      a.batch() * a.tokens() * a.q_heads() >= (int64_t(1) << 31)) {
     fail(kOp, "batch " + std::to_string(a.batch()) + " x tokens " + std::to_string(a.tokens()) +
                   " is too large for one launch");
   }
   DeviceGuard guard(a.q.device_id, kOp);
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
-  check_tree_attention_indices(a, indices_to_host(a.cache_rows, stream),
-                               indices_to_host(a.prefix_lens, stream));
+  if (a.check_indices) {  // a copy to the host and a wait for it: opt out on hot paths
+    check_tree_attention_indices(a, indices_to_host(a.cache_rows, stream),
+                                 indices_to_host(a.prefix_lens, stream));
+  }
   const int B = int(a.batch()), T = int(a.tokens());
   if (B == 0 || T == 0 || a.q_heads() == 0) return;
 
@@ -118,36 +150,42 @@ void tree_attention_cuda(const TreeAttentionArgs& a, uintptr_t stream_handle) {
     p.k_stride[i] = a.k_cache.strides[i];
     p.v_stride[i] = a.v_cache.strides[i];
     p.out_stride[i] = a.out.strides[i];
+    p.mask_stride[i] = a.tree_mask.strides[i];
   }
   p.cache_rows = a.cache_rows.data;
   p.cache_rows_stride[0] = a.cache_rows.strides[0];
   p.cache_rows_stride[1] = a.cache_rows.ndim == 2 ? a.cache_rows.strides[1] : 0;
   p.cache_rows_64 = a.cache_rows.dtype == DType::kInt64;
   p.seq_len = a.seq_len();
+  p.rows_count = a.cache_rows_count();
+  p.blocks = a.blocks_per_request();
   p.prefix_lens = a.prefix_lens.data;
   p.prefix_lens_stride = a.prefix_lens.strides[0];
   p.prefix_lens_64 = a.prefix_lens.dtype == DType::kInt64;
+  p.mask = a.tree_mask.ptr<const uint8_t>();
   p.tokens = T;
   p.mask_cols = int(a.mask_cols());
-  p.words = (p.mask_cols + 31) / 32;
   p.group = int(a.group());
   p.kv_heads = int(a.kv_heads());
+  p.q_heads = int(a.q_heads());
   p.head_dim = int(a.head_dim());
+  p.vector_loads = allows_vector_loads(a.k_cache, p.head_dim) &&
+                   allows_vector_loads(a.v_cache, p.head_dim);
   p.scale_log2 = a.scale * 1.4426950408889634f;
+  const int row_blocks = (T * p.group + kRowsPerBlock - 1) / kRowsPerBlock;
+  p.splits = choose_splits(p, int64_t(B) * p.kv_heads * row_blocks, a.q.device_id);
 
-  // Packed mask bits and per-token last visible index, stream-ordered scratch.
-  const size_t bit_words = size_t(B) * T * p.words;
+  // The splits' partial sums: stream-ordered scratch from the pool (no synchronisation).
   void* scratch = nullptr;
-  check(cudaMallocAsync(&scratch, (bit_words + size_t(B) * T) * 4, stream), kOp, "cudaMallocAsync");
-  p.mask_bits = static_cast<uint32_t*>(scratch);
-  p.last_visible = reinterpret_cast<int32_t*>(static_cast<uint32_t*>(scratch) + bit_words);
-  const auto& m = a.tree_mask;
-  const int pack_threads = 128;
-  const int pack_blocks = int((int64_t(B) * T + pack_threads - 1) / pack_threads);
-  pack_tree_mask<<<pack_blocks, pack_threads, 0, stream>>>(
-      m.ptr<const uint8_t>(), m.strides[0], m.strides[1], m.strides[2], B, T, p.mask_cols, p.words,
-      const_cast<uint32_t*>(p.mask_bits), const_cast<int32_t*>(p.last_visible));
-  check(cudaGetLastError(), kOp, "mask packing launch");
+  if (p.splits > 1) {
+    const size_t rows = size_t(p.splits) * B * T * p.q_heads;
+    check(cudaMallocAsync(&scratch, rows * (2 + p.head_dim) * sizeof(float), stream), kOp,
+          "cudaMallocAsync");
+    p.partial_ml = static_cast<float*>(scratch);
+    p.partial_acc = p.partial_ml + 2 * rows;
+  } else {
+    p.partial_ml = p.partial_acc = nullptr;
+  }
 
   switch (a.q.dtype) {
     case DType::kFloat32:
@@ -160,7 +198,7 @@ void tree_attention_cuda(const TreeAttentionArgs& a, uintptr_t stream_handle) {
       launch_dtype<__nv_bfloat16>(p, B, stream);
       break;
   }
-  check(cudaFreeAsync(scratch, stream), kOp, "cudaFreeAsync");
+  if (scratch != nullptr) check(cudaFreeAsync(scratch, stream), kOp, "cudaFreeAsync");
 }
 
 }  // namespace specinfer

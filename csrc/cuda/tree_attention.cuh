@@ -1,11 +1,19 @@
-// CUDA tree attention. One thread block per (request, KV head, chunk of query rows), where a query
-// row is a (tree token, query head of the KV head's group) pair; a chunk holds up to
-// kWarps * kRowsPerWarp rows, so a whole tree of up to that many rows is one block. The block's
-// queries sit in shared memory; each K/V row is read from global memory once per block into a
-// shared tile and used by every query row. Each lane owns one key of a 32-key tile for scores and
-// DP / 32 output columns for the weighted sum; softmax is online (running max and sum). DP is
-// head_dim rounded up to a multiple of 32: the shared rows are zero past head_dim, so the padded
-// columns add exact zeros to the scores and are never stored.
+// CUDA tree attention, split over the keys (flash-decoding). One thread block per (request, KV
+// head, chunk of query rows, split of the keys), where a query row is a (tree token, query head
+// of the KV head's group) pair; a chunk holds up to kWarps * kRowsPerWarp rows, so a whole tree
+// of up to that many rows is one chunk. A request's keys (its prefix and the tree) are cut into
+// `splits` equal runs of 32-key tiles, each run a block, so a short batch still fills the GPU;
+// with one split the block writes the output, else its unnormalised partial sums and a second
+// kernel combines them.
+//
+// In a block the queries sit in shared memory; each K/V tile is read from global memory once
+// (16-byte loads where aligned) into shared memory and used by every query row. Each lane owns
+// one key of a tile for scores and DP / 32 output columns for the weighted sum; softmax is online
+// (running max and sum, base 2). DP is head_dim rounded up to a multiple of 32: the shared rows
+// are zero past head_dim, so the padded columns add exact zeros and are never stored.
+//
+// Nothing is copied to the host: a key whose cache row or block index is out of range is skipped
+// (never read), so unchecked indices cannot read outside the caches.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -32,44 +40,56 @@ struct TreeAttentionParams {
   int64_t out_stride[3];
   // [B] rows or a [B, MB] block table (int32 or int64): position pos of request b is slot
   // pos % seq_len of row cache_rows[b * stride[0] + (pos / seq_len) * stride[1]]; a [B] view
-  // has stride[1] = 0 (and every position below seq_len).
+  // has stride[1] = 0 and blocks = 1.
   const void* cache_rows;
   int64_t cache_rows_stride[2];
   bool cache_rows_64;
-  int64_t seq_len;
+  int64_t seq_len, rows_count, blocks;  // S, N, MB
   const void* prefix_lens;  // [B] int32 or int64
   int64_t prefix_lens_stride;
   bool prefix_lens_64;
-  const uint32_t* mask_bits;    // [B, T, words]: bit j of token i = tree_mask[b, i, j]
-  const int32_t* last_visible;  // [B, T]: last mask column j token i sees, -1 if none
-  int tokens, mask_cols, words, group, kv_heads, head_dim;
-  float scale_log2;  // softmax scale * log2(e): scores are kept in base 2 for exp2f
+  const uint8_t* mask;  // [B, T, M] bool/uint8: token i may see slot n + j iff mask[b, i, j]
+  int64_t mask_stride[3];
+  int tokens, mask_cols, group, kv_heads, q_heads, head_dim;
+  bool vector_loads;  // K/V rows, strides and head_dim allow 16-byte loads
+  float scale_log2;   // softmax scale * log2(e): scores are kept in base 2 for exp2f
+  int splits;
+  // With splits > 1: per (split, request, token, q head) the running max and sum [.., 2] and the
+  // unnormalised output [.., head_dim], in that order.
+  float* partial_ml;
+  float* partial_acc;
 };
 
 __device__ __forceinline__ int64_t load_index(const void* p, int64_t i, bool is64) {
   return is64 ? static_cast<const int64_t*>(p)[i] : static_cast<const int32_t*>(p)[i];
 }
 
-// Packs the [B, T, M] byte mask (any strides) into bits and records each row's last visible
-// column, which bounds how far a block must read. One thread per (request, token) row.
-__global__ void pack_tree_mask(const uint8_t* mask, int64_t s0, int64_t s1, int64_t s2, int batch,
-                               int tokens, int cols, int words, uint32_t* bits,
-                               int32_t* last_visible) {
-  const int64_t row = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (row >= int64_t(batch) * tokens) return;
-  const uint8_t* src = mask + (row / tokens) * s0 + (row % tokens) * s1;
-  int32_t last = -1;
-  for (int w = 0; w < words; ++w) {
-    uint32_t word = 0;
-    for (int j = w * 32; j < min(cols, w * 32 + 32); ++j) {
-      if (src[j * s2]) {
-        word |= 1u << (j - w * 32);
-        last = j;
+// Loads kKeyTile cache rows (row j at base + offset[j], absent where offset[j] < 0) into a
+// shared [kKeyTile, stride] float tile, zero past head_dim and for absent keys.
+template <typename T, int D>
+__device__ __forceinline__ void load_tile(const T* base, const int64_t* offset, int head_dim,
+                                          bool vector_loads, float* tile, int stride) {
+  constexpr int kVec = 16 / sizeof(T);
+  if (vector_loads) {  // head_dim % kVec == 0 and every row 16-byte aligned
+    for (int i = threadIdx.x; i < kKeyTile * (D / kVec); i += blockDim.x) {
+      const int j = i / (D / kVec), d = (i % (D / kVec)) * kVec;
+      float* dst = tile + j * stride + d;
+      if (offset[j] >= 0 && d < head_dim) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(base + offset[j] + d);
+        const T* vals = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) dst[e] = to_float(vals[e]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) dst[e] = 0.0f;
       }
     }
-    bits[row * words + w] = word;
+    return;
   }
-  last_visible[row] = last;
+  for (int i = threadIdx.x; i < kKeyTile * D; i += blockDim.x) {
+    const int j = i / D, d = i % D;
+    tile[j * stride + d] = offset[j] >= 0 && d < head_dim ? to_float(base[offset[j] + d]) : 0.0f;
+  }
 }
 
 template <typename T, int D>
@@ -81,15 +101,12 @@ __global__ void __launch_bounds__(kWarps * 32) tree_attention_kernel(const TreeA
   float* qs = smem;                     // [kRowsPerBlock, D]
   float* ks = qs + kRowsPerBlock * D;   // [kKeyTile, D + 1]; +1 avoids bank conflicts
   float* vs = ks + kKeyTile * (D + 1);  // [kKeyTile, D]
-  __shared__ int block_last_visible;
-  __shared__ int64_t k_offset[kKeyTile], v_offset[kKeyTile];  // the tile's keys in the caches
+  __shared__ int64_t k_offset[kKeyTile], v_offset[kKeyTile];  // -1: no such key
 
   const int b = blockIdx.x / p.kv_heads, h = blockIdx.x % p.kv_heads;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int total_rows = p.tokens * p.group;
   const int row0 = blockIdx.y * kRowsPerBlock;
-  const int rows = min(kRowsPerBlock, total_rows - row0);
-  const int t_first = row0 / p.group, t_last = (row0 + rows - 1) / p.group;
+  const int rows = min(kRowsPerBlock, p.tokens * p.group - row0);
 
   const T* q = static_cast<const T*>(p.q);
   for (int i = threadIdx.x; i < rows * D; i += blockDim.x) {
@@ -98,19 +115,16 @@ __global__ void __launch_bounds__(kWarps * 32) tree_attention_kernel(const TreeA
                                       head * p.q_stride[2] + d]) * p.scale_log2
                          : 0.0f;
   }
-  if (threadIdx.x == 0) block_last_visible = -1;
-  __syncthreads();
-  for (int t = t_first + int(threadIdx.x); t <= t_last; t += blockDim.x) {
-    atomicMax(&block_last_visible, p.last_visible[int64_t(b) * p.tokens + t]);
-  }
-  __syncthreads();
 
   // Slots before n are visible to every row; slot n + j is visible iff mask column j is set.
-  const int64_t n = load_index(p.prefix_lens, b * p.prefix_lens_stride, p.prefix_lens_64) +
-                    p.tokens - p.mask_cols;
-  const int64_t key_end = n + block_last_visible + 1;
+  const int64_t prefix = load_index(p.prefix_lens, b * p.prefix_lens_stride, p.prefix_lens_64);
+  const int64_t n = prefix + p.tokens - p.mask_cols, key_end = prefix + p.tokens;
+  const int64_t tiles = key_end > 0 ? (key_end + kKeyTile - 1) / kKeyTile : 0;
+  const int64_t tile_begin = tiles * blockIdx.z / p.splits;
+  const int64_t tile_end = tiles * (blockIdx.z + 1) / p.splits;
   const T* kbase = static_cast<const T*>(p.k) + h * p.k_stride[1];
   const T* vbase = static_cast<const T*>(p.v) + h * p.v_stride[1];
+  const uint8_t* mask_b = p.mask + b * p.mask_stride[0];
 
   // Warp w owns block rows w, w + kWarps, ...: a small tree still spreads over the warps.
   float acc[kRowsPerWarp][kCols];
@@ -123,26 +137,28 @@ __global__ void __launch_bounds__(kWarps * 32) tree_attention_kernel(const TreeA
     for (int c = 0; c < kCols; ++c) acc[i][c] = 0.0f;
   }
 
-  for (int64_t k0 = 0; k0 < key_end; k0 += kKeyTile) {
-    __syncthreads();  // the previous tile is no longer read
-    if (threadIdx.x < kKeyTile && k0 + threadIdx.x < key_end) {
+  for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
+    const int64_t k0 = tile * kKeyTile;
+    __syncthreads();  // the previous tile is no longer read (and the queries are stored)
+    if (threadIdx.x < kKeyTile) {
       const int64_t pos = k0 + threadIdx.x, block = pos / p.seq_len, slot = pos % p.seq_len;
-      const int64_t row = load_index(
-          p.cache_rows, b * p.cache_rows_stride[0] + block * p.cache_rows_stride[1],
-          p.cache_rows_64);
-      k_offset[threadIdx.x] = row * p.k_stride[0] + slot * p.k_stride[2];
-      v_offset[threadIdx.x] = row * p.v_stride[0] + slot * p.v_stride[2];
+      int64_t row = -1;
+      if (pos >= 0 && pos < key_end && block < p.blocks) {
+        row = load_index(p.cache_rows,
+                         b * p.cache_rows_stride[0] + block * p.cache_rows_stride[1],
+                         p.cache_rows_64);
+      }
+      const bool ok = row >= 0 && row < p.rows_count;
+      k_offset[threadIdx.x] = ok ? row * p.k_stride[0] + slot * p.k_stride[2] : -1;
+      v_offset[threadIdx.x] = ok ? row * p.v_stride[0] + slot * p.v_stride[2] : -1;
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < kKeyTile * D; i += blockDim.x) {
-      const int j = i / D, d = i % D;
-      const bool in = k0 + j < key_end && d < head_dim;
-      ks[j * (D + 1) + d] = in ? to_float(kbase[k_offset[j] + d]) : 0.0f;
-      vs[j * D + d] = in ? to_float(vbase[v_offset[j] + d]) : 0.0f;
-    }
+    load_tile<T, D>(kbase, k_offset, head_dim, p.vector_loads, ks, D + 1);
+    load_tile<T, D>(vbase, v_offset, head_dim, p.vector_loads, vs, D);
     __syncthreads();
 
     const int64_t key = k0 + lane;
+    const bool key_ok = k_offset[lane] >= 0;
 #pragma unroll
     for (int i = 0; i < kRowsPerWarp; ++i) {
       const int r = i * kWarps + warp;
@@ -152,12 +168,10 @@ __global__ void __launch_bounds__(kWarps * 32) tree_attention_kernel(const TreeA
       float s = 0.0f;
 #pragma unroll 16
       for (int d = 0; d < D; ++d) s += qr[d] * kr[d];
-      bool visible = key < key_end;
+      bool visible = key_ok;
       if (visible && key >= n) {
         const int t = (row0 + r) / p.group;
-        const int64_t j = key - n;
-        const uint32_t word = p.mask_bits[(int64_t(b) * p.tokens + t) * p.words + (j >> 5)];
-        visible = (word >> (j & 31)) & 1u;
+        visible = mask_b[t * p.mask_stride[1] + (key - n) * p.mask_stride[2]] != 0;
       }
       s = visible ? s : -INFINITY;
       const float tile_max = warp_max(s);
@@ -179,17 +193,59 @@ __global__ void __launch_bounds__(kWarps * 32) tree_attention_kernel(const TreeA
   }
 
   T* out = static_cast<T*>(p.out);
+  const int64_t partial_rows = int64_t(gridDim.x / p.kv_heads) * p.tokens * p.q_heads;
 #pragma unroll
   for (int i = 0; i < kRowsPerWarp; ++i) {
     const int r = i * kWarps + warp;
     if (r >= rows) break;
     const int t = (row0 + r) / p.group, head = h * p.group + (row0 + r) % p.group;
+    if (p.splits > 1) {
+      const int64_t at = blockIdx.z * partial_rows + (int64_t(b) * p.tokens + t) * p.q_heads + head;
+      if (lane == 0) {
+        p.partial_ml[2 * at] = m[i];
+        p.partial_ml[2 * at + 1] = l[i];
+      }
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) {
+        if (c * 32 + lane < head_dim) p.partial_acc[at * head_dim + c * 32 + lane] = acc[i][c];
+      }
+      continue;
+    }
     const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;  // a row that saw nothing gets zeros
     T* o = out + b * p.out_stride[0] + t * p.out_stride[1] + head * p.out_stride[2];
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
       if (c * 32 + lane < head_dim) o[c * 32 + lane] = from_float<T>(acc[i][c] * inv);
     }
+  }
+}
+
+// Combines the splits' partial sums: one warp per (request, token, q head) row.
+template <typename T>
+__global__ void combine_splits(const TreeAttentionParams p, int batch) {
+  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t rows = int64_t(batch) * p.tokens * p.q_heads;
+  if (row >= rows) return;
+  float m = -INFINITY;
+  for (int z = 0; z < p.splits; ++z) m = fmaxf(m, p.partial_ml[2 * (z * rows + row)]);
+  float l = 0.0f;
+  for (int z = 0; z < p.splits; ++z) {
+    const float mz = p.partial_ml[2 * (z * rows + row)];
+    if (mz != -INFINITY) l += exp2f(mz - m) * p.partial_ml[2 * (z * rows + row) + 1];
+  }
+  const float inv = l > 0.0f ? 1.0f / l : 0.0f;  // a row that saw nothing gets zeros
+  const int b = int(row / (int64_t(p.tokens) * p.q_heads));
+  const int t = int(row / p.q_heads % p.tokens), head = int(row % p.q_heads);
+  T* o = static_cast<T*>(p.out) + b * p.out_stride[0] + t * p.out_stride[1] +
+         head * p.out_stride[2];
+  for (int d = lane; d < p.head_dim; d += 32) {
+    float sum = 0.0f;
+    for (int z = 0; z < p.splits; ++z) {
+      const float mz = p.partial_ml[2 * (z * rows + row)];
+      if (mz != -INFINITY) sum += exp2f(mz - m) * p.partial_acc[(z * rows + row) * p.head_dim + d];
+    }
+    o[d] = from_float<T>(sum * inv);
   }
 }
 

@@ -100,8 +100,14 @@ def tree_attention(
     prefix_lens: torch.Tensor,
     tree_mask: torch.Tensor,
     scale: float | None = None,
+    check_indices: bool = True,
 ) -> torch.Tensor:
-    """The compiled kernel when available, else the reference (same semantics)."""
+    """The compiled kernel when available, else the reference (same semantics).
+
+    On cuda, checking cache_rows and prefix_lens (a clear error for an index out of range) copies
+    them to the host and waits for the GPU; callers that build them (the models) pass
+    check_indices=False. Unchecked, a key at an out-of-range row or block is skipped, never read.
+    """
     if _C is None:
         return tree_attention_reference(
             q, k_cache, v_cache, cache_rows, prefix_lens, tree_mask, scale
@@ -109,7 +115,9 @@ def tree_attention(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     out = torch.empty_like(q)
     stream = torch.cuda.current_stream(q.device).cuda_stream if q.is_cuda else 0
-    _C.tree_attention(q, k_cache, v_cache, cache_rows, prefix_lens, tree_mask, out, scale, stream)
+    _C.tree_attention(
+        q, k_cache, v_cache, cache_rows, prefix_lens, tree_mask, out, scale, stream, check_indices
+    )
     return out
 
 
