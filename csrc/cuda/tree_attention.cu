@@ -1,9 +1,11 @@
 #include <algorithm>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "cuda/cuda_check.h"
 #include "cuda/tree_attention.cuh"
+#include "cuda/tree_attention_mma.cuh"
 #include "ops.h"
 
 namespace specinfer {
@@ -69,16 +71,34 @@ int choose_splits(const TreeAttentionParams& p, int64_t blocks, int device) {
       1, std::min({wanted, capacity_tiles / kMinSplitTiles, int64_t(kMaxSplits)})));
 }
 
+// Tensor cores for 16-bit inputs up to head_dim 128; fp32 (exact to 1e-4) and wider heads run
+// on the CUDA cores.
 template <typename T, int D>
-void launch(const TreeAttentionParams& p, int batch, cudaStream_t stream) {
-  constexpr size_t smem = tree_attention_smem_bytes<D>();
-  auto kernel = tree_attention_kernel<T, D>;
-  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)), kOp,
+constexpr bool uses_mma() {
+  return !std::is_same_v<T, float> && D <= 128;
+}
+
+template <int Warps, size_t Smem, typename Kernel>
+void launch_kernel(Kernel kernel, const TreeAttentionParams& p, int batch, cudaStream_t stream) {
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Smem)), kOp,
         "cudaFuncSetAttribute");
   const int row_blocks = (p.tokens * p.group + kRowsPerBlock - 1) / kRowsPerBlock;
   dim3 grid(unsigned(batch) * unsigned(p.kv_heads), unsigned(row_blocks), unsigned(p.splits));
-  kernel<<<grid, kWarps * 32, smem, stream>>>(p);
+  kernel<<<grid, Warps * 32, Smem, stream>>>(p);
   check(cudaGetLastError(), kOp, "kernel launch");
+}
+
+// Tensor cores for 16-bit inputs up to head_dim 128; fp32 (exact to 1e-4) and wider heads run
+// on the CUDA cores.
+template <typename T, int D>
+void launch(const TreeAttentionParams& p, int batch, cudaStream_t stream) {
+  if constexpr (!std::is_same_v<T, float> && D <= 128) {
+    launch_kernel<kMmaWarps, tree_attention_mma_smem_bytes<D>()>(tree_attention_mma_kernel<T, D>,
+                                                                 p, batch, stream);
+  } else {
+    launch_kernel<kWarps, tree_attention_smem_bytes<D>()>(tree_attention_kernel<T, D>, p, batch,
+                                                          stream);
+  }
   if (p.splits > 1) {
     const int64_t threads = int64_t(batch) * p.tokens * p.q_heads * 32;
     combine_splits<T><<<unsigned((threads + 255) / 256), 256, 0, stream>>>(p, batch);
