@@ -27,8 +27,9 @@ std::vector<int64_t> indices_to_host(const TensorView& v, cudaStream_t stream) {
   if (rows * cols == 0) return {};
   if (cols == 1 || col_stride == 1) {
     if (rows == 1 || row_stride >= cols) {  // each row contiguous: one 2-D copy
-      check(cudaMemcpy2DAsync(raw.data(), cols * elem, src, std::max<int64_t>(row_stride, cols) * elem,
-                              cols * elem, rows, cudaMemcpyDeviceToHost, stream),
+      check(cudaMemcpy2DAsync(raw.data(), cols * elem, src,
+                              std::max<int64_t>(row_stride, cols) * elem, cols * elem, rows,
+                              cudaMemcpyDeviceToHost, stream),
             kOp, what);
     } else {  // broadcast (stride 0) or reversed rows: row by row
       for (int64_t r = 0; r < rows; ++r) {
@@ -93,8 +94,8 @@ void launch_kernel(Kernel kernel, const TreeAttentionParams& p, int batch, cudaS
 template <typename T, int D>
 void launch(const TreeAttentionParams& p, int batch, cudaStream_t stream) {
   if constexpr (!std::is_same_v<T, float> && D <= 128) {
-    launch_kernel<kMmaWarps, tree_attention_mma_smem_bytes<D>()>(tree_attention_mma_kernel<T, D>,
-                                                                 p, batch, stream);
+    launch_kernel<kMmaWarps, tree_attention_mma_smem_bytes<D>()>(tree_attention_mma_kernel<T, D>, p,
+                                                                 batch, stream);
   } else {
     launch_kernel<kWarps, tree_attention_smem_bytes<D>()>(tree_attention_kernel<T, D>, p, batch,
                                                           stream);
@@ -189,8 +190,8 @@ void tree_attention_cuda(const TreeAttentionArgs& a, uintptr_t stream_handle) {
   p.kv_heads = int(a.kv_heads());
   p.q_heads = int(a.q_heads());
   p.head_dim = int(a.head_dim());
-  p.vector_loads = allows_vector_loads(a.k_cache, p.head_dim) &&
-                   allows_vector_loads(a.v_cache, p.head_dim);
+  p.vector_loads =
+      allows_vector_loads(a.k_cache, p.head_dim) && allows_vector_loads(a.v_cache, p.head_dim);
   p.scale_log2 = a.scale * 1.4426950408889634f;
   const int row_blocks = (T * p.group + kRowsPerBlock - 1) / kRowsPerBlock;
   p.splits = choose_splits(p, int64_t(B) * p.kv_heads * row_blocks, a.q.device_id);

@@ -45,7 +45,7 @@ struct TreeAttentionParams {
   int64_t cache_rows_stride[2];
   bool cache_rows_64;
   int64_t seq_len, rows_count, blocks;  // S, N, MB
-  const void* prefix_lens;  // [B] int32 or int64
+  const void* prefix_lens;              // [B] int32 or int64
   int64_t prefix_lens_stride;
   bool prefix_lens_64;
   const uint8_t* mask;  // [B, T, M] bool/uint8: token i may see slot n + j iff mask[b, i, j]
@@ -111,9 +111,10 @@ __global__ void __launch_bounds__(kWarps * 32) tree_attention_kernel(const TreeA
   const T* q = static_cast<const T*>(p.q);
   for (int i = threadIdx.x; i < rows * D; i += blockDim.x) {
     const int r = row0 + i / D, t = r / p.group, head = h * p.group + r % p.group, d = i % D;
-    qs[i] = d < head_dim ? to_float(q[b * p.q_stride[0] + t * p.q_stride[1] +
-                                      head * p.q_stride[2] + d]) * p.scale_log2
-                         : 0.0f;
+    qs[i] = d < head_dim
+                ? to_float(q[b * p.q_stride[0] + t * p.q_stride[1] + head * p.q_stride[2] + d]) *
+                      p.scale_log2
+                : 0.0f;
   }
 
   // Slots before n are visible to every row; slot n + j is visible iff mask column j is set.
@@ -144,8 +145,7 @@ __global__ void __launch_bounds__(kWarps * 32) tree_attention_kernel(const TreeA
       const int64_t pos = k0 + threadIdx.x, block = pos / p.seq_len, slot = pos % p.seq_len;
       int64_t row = -1;
       if (pos >= 0 && pos < key_end && block < p.blocks) {
-        row = load_index(p.cache_rows,
-                         b * p.cache_rows_stride[0] + block * p.cache_rows_stride[1],
+        row = load_index(p.cache_rows, b * p.cache_rows_stride[0] + block * p.cache_rows_stride[1],
                          p.cache_rows_64);
       }
       const bool ok = row >= 0 && row < p.rows_count;
@@ -237,8 +237,8 @@ __global__ void combine_splits(const TreeAttentionParams p, int batch) {
   const float inv = l > 0.0f ? 1.0f / l : 0.0f;  // a row that saw nothing gets zeros
   const int b = int(row / (int64_t(p.tokens) * p.q_heads));
   const int t = int(row / p.q_heads % p.tokens), head = int(row % p.q_heads);
-  T* o = static_cast<T*>(p.out) + b * p.out_stride[0] + t * p.out_stride[1] +
-         head * p.out_stride[2];
+  T* o =
+      static_cast<T*>(p.out) + b * p.out_stride[0] + t * p.out_stride[1] + head * p.out_stride[2];
   for (int d = lane; d < p.head_dim; d += 32) {
     float sum = 0.0f;
     for (int z = 0; z < p.splits; ++z) {
