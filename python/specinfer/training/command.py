@@ -16,7 +16,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "over the target's hidden states (EAGLE-style; --layers etc. do not apply)")  # fmt: skip
     p.add_argument("--start", default=None,
                    help="--kind feature: start the head from this SSM of the target (its "
-                   "layers; e.g. python/specinfer/default_ssm), not the target's last layer")  # fmt: skip
+                   "layers; e.g. python/specinfer/default_ssm), not the target's last layer, or "
+                   "from a feature head to train further (e.g. "
+                   "python/specinfer/default_feature_head)")  # fmt: skip
     p.add_argument("--layers", default="first:2", help="target layers: first:N or e.g. 0,1,5")
     p.add_argument("--mlp-keep", type=float, default=1.0,
                    help="fraction of MLP channels kept (largest weight norms)")  # fmt: skip

@@ -38,11 +38,12 @@ FEATURE_WEIGHT = 0.1
 
 
 def build_head(target: nn.Module, start: nn.Module | None = None) -> FeatureHead:
-    """A float32 head for `target`, sharing its embedding and LM head. From `start`, an SSM of
-    the target (e.g. the distilled default SSM): its layers and norm, with fc passing the token
-    embedding through and ignoring the feature, so the head starts as that SSM and training
-    adds what the features tell. Without it: one layer, the target's last (it already maps
-    hidden states to features), its final norm, and fc passing the feature through plus a
+    """A float32 head for `target`, sharing its embedding and LM head. From `start`, a feature
+    head of the target: a copy of it, to train further (e.g. on new data). From `start`, an SSM
+    of the target (e.g. the distilled default SSM): its layers and norm, with fc passing the
+    token embedding through and ignoring the feature, so the head starts as that SSM and
+    training adds what the features tell. Without it: one layer, the target's last (it already
+    maps hidden states to features), its final norm, and fc passing the feature through plus a
     little of the token."""
     if target.config.architecture != "llama":
         raise ValueError(f"feature heads support Llama-family targets, not "
@@ -56,13 +57,16 @@ def build_head(target: nn.Module, start: nn.Module | None = None) -> FeatureHead
     head.model.norm.load_state_dict(source.model.norm.state_dict())
     H = config.hidden_size
     with torch.no_grad():
-        if start is not None:
+        if start is not None and start.config.architecture == "feature":
+            head.fc.load_state_dict(start.fc.state_dict())
+        elif start is not None:
             head.fc.weight.copy_(torch.cat([torch.eye(H), torch.zeros(H, H)], dim=1))
+            head.fc.bias.zero_()
         else:
             g = torch.Generator().manual_seed(0)
             token = torch.randn(H, H, generator=g) * 0.16 / math.sqrt(H)
             head.fc.weight.copy_(torch.cat([token, torch.eye(H)], dim=1))
-        head.fc.bias.zero_()
+            head.fc.bias.zero_()
     head.model.embed_tokens.weight = target.model.embed_tokens.weight
     head.lm_head.weight = target.lm_head.weight
     return head

@@ -49,7 +49,8 @@ def train_ssm(
     target's chat template (default: when it has one, as `specinfer generate` does). `kind`:
     "layers" (a student of selected target layers) or "feature" (a feature-level draft head,
     see training/feature.py; `layers`, `mlp_keep`, boosting and `compact` do not apply; `start`:
-    an SSM of the target the head starts from, e.g. the shipped default SSM)."""
+    an SSM of the target the head starts from, e.g. the shipped default SSM, or a feature head
+    to train further)."""
     from specinfer.default_model import default_model_path
     from specinfer.engine import Engine
     from specinfer.loader import load_model
@@ -59,7 +60,9 @@ def train_ssm(
     if kind not in ("layers", "feature"):
         raise ValueError(f"kind must be 'layers' or 'feature', got {kind!r}")
     if start is not None and (kind != "feature" or not Path(start).is_dir()):
-        raise ValueError(f"--start takes an SSM directory for --kind feature, got {start!r}")
+        raise ValueError(
+            f"--start takes an SSM or feature head directory for --kind feature, got {start!r}"
+        )
     if boost_stages < 1:
         raise ValueError(f"boost stages must be at least 1, got {boost_stages}")
     if top_k_logits < 1 or max_new_tokens < 1:
