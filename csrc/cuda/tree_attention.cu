@@ -72,13 +72,6 @@ int choose_splits(const TreeAttentionParams& p, int64_t blocks, int device) {
       1, std::min({wanted, capacity_tiles / kMinSplitTiles, int64_t(kMaxSplits)})));
 }
 
-// Tensor cores for 16-bit inputs up to head_dim 128; fp32 (exact to 1e-4) and wider heads run
-// on the CUDA cores.
-template <typename T, int D>
-constexpr bool uses_mma() {
-  return !std::is_same_v<T, float> && D <= 128;
-}
-
 template <int Warps, size_t Smem, typename Kernel>
 void launch_kernel(Kernel kernel, const TreeAttentionParams& p, int batch, cudaStream_t stream) {
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Smem)), kOp,
