@@ -64,6 +64,30 @@ __device__ __forceinline__ int64_t load_index(const void* p, int64_t i, bool is6
   return is64 ? static_cast<const int64_t*>(p)[i] : static_cast<const int32_t*>(p)[i];
 }
 
+// Request b's keys as a block sees them: slots before n are visible to every row, slot n + j iff
+// mask column j is set; keys end at `end`, and the block's split takes tiles [begin, stop).
+struct BlockKeys {
+  int64_t n, end, begin, stop;
+};
+
+__device__ __forceinline__ BlockKeys block_keys(const TreeAttentionParams& p, int b) {
+  const int64_t prefix = load_index(p.prefix_lens, b * p.prefix_lens_stride, p.prefix_lens_64);
+  const int64_t end = prefix + p.tokens, tiles = end > 0 ? (end + kKeyTile - 1) / kKeyTile : 0;
+  return {end - p.mask_cols, end, tiles * blockIdx.z / p.splits,
+          tiles * (blockIdx.z + 1) / p.splits};
+}
+
+// The cache row holding position pos of request b, or -1 (never read) past its keys or where
+// its block or row is out of range.
+__device__ __forceinline__ int64_t key_row(const TreeAttentionParams& p, int b, int64_t pos,
+                                           int64_t end) {
+  const int64_t block = pos / p.seq_len;
+  if (pos >= end || block >= p.blocks) return -1;
+  const int64_t row = load_index(
+      p.cache_rows, b * p.cache_rows_stride[0] + block * p.cache_rows_stride[1], p.cache_rows_64);
+  return row >= 0 && row < p.rows_count ? row : -1;
+}
+
 // Loads kKeyTile cache rows (row j at base + offset[j], absent where offset[j] < 0) into a
 // shared [kKeyTile, stride] float tile, zero past head_dim and for absent keys.
 template <typename T, int D>
@@ -117,12 +141,8 @@ __global__ void __launch_bounds__(kWarps * 32) tree_attention_kernel(const TreeA
                 : 0.0f;
   }
 
-  // Slots before n are visible to every row; slot n + j is visible iff mask column j is set.
-  const int64_t prefix = load_index(p.prefix_lens, b * p.prefix_lens_stride, p.prefix_lens_64);
-  const int64_t n = prefix + p.tokens - p.mask_cols, key_end = prefix + p.tokens;
-  const int64_t tiles = key_end > 0 ? (key_end + kKeyTile - 1) / kKeyTile : 0;
-  const int64_t tile_begin = tiles * blockIdx.z / p.splits;
-  const int64_t tile_end = tiles * (blockIdx.z + 1) / p.splits;
+  const BlockKeys keys = block_keys(p, b);
+  const int64_t n = keys.n;
   const T* kbase = static_cast<const T*>(p.k) + h * p.k_stride[1];
   const T* vbase = static_cast<const T*>(p.v) + h * p.v_stride[1];
   const uint8_t* mask_b = p.mask + b * p.mask_stride[0];
@@ -138,19 +158,14 @@ __global__ void __launch_bounds__(kWarps * 32) tree_attention_kernel(const TreeA
     for (int c = 0; c < kCols; ++c) acc[i][c] = 0.0f;
   }
 
-  for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
+  for (int64_t tile = keys.begin; tile < keys.stop; ++tile) {
     const int64_t k0 = tile * kKeyTile;
     __syncthreads();  // the previous tile is no longer read (and the queries are stored)
     if (threadIdx.x < kKeyTile) {
-      const int64_t pos = k0 + threadIdx.x, block = pos / p.seq_len, slot = pos % p.seq_len;
-      int64_t row = -1;
-      if (pos >= 0 && pos < key_end && block < p.blocks) {
-        row = load_index(p.cache_rows, b * p.cache_rows_stride[0] + block * p.cache_rows_stride[1],
-                         p.cache_rows_64);
-      }
-      const bool ok = row >= 0 && row < p.rows_count;
-      k_offset[threadIdx.x] = ok ? row * p.k_stride[0] + slot * p.k_stride[2] : -1;
-      v_offset[threadIdx.x] = ok ? row * p.v_stride[0] + slot * p.v_stride[2] : -1;
+      const int64_t pos = k0 + threadIdx.x, slot = pos % p.seq_len;
+      const int64_t row = key_row(p, b, pos, keys.end);
+      k_offset[threadIdx.x] = row >= 0 ? row * p.k_stride[0] + slot * p.k_stride[2] : -1;
+      v_offset[threadIdx.x] = row >= 0 ? row * p.v_stride[0] + slot * p.v_stride[2] : -1;
     }
     __syncthreads();
     load_tile<T, D>(kbase, k_offset, head_dim, p.vector_loads, ks, D + 1);

@@ -113,11 +113,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
                               : zero;
   }
 
-  const int64_t prefix = load_index(p.prefix_lens, b * p.prefix_lens_stride, p.prefix_lens_64);
-  const int64_t n = prefix + p.tokens - p.mask_cols, key_end = prefix + p.tokens;
-  const int64_t tiles = key_end > 0 ? (key_end + kKeyTile - 1) / kKeyTile : 0;
-  const int64_t tile_begin = tiles * blockIdx.z / p.splits;
-  const int64_t tile_end = tiles * (blockIdx.z + 1) / p.splits;
+  const BlockKeys keys = block_keys(p, b);
+  const int64_t n = keys.n, tile_begin = keys.begin, tile_end = keys.stop;
   const T* kbase = static_cast<const T*>(p.k) + h * p.k_stride[1];
   const T* vbase = static_cast<const T*>(p.v) + h * p.v_stride[1];
   const uint8_t* mask_b = p.mask + b * p.mask_stride[0];
@@ -129,13 +126,9 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
     T* vt = kt + kKeyTile * kStride;
     for (int i = threadIdx.x; i < kKeyTile * (D / kVec); i += blockDim.x) {
       const int j = i / (D / kVec), d = (i % (D / kVec)) * kVec;
-      const int64_t pos = tile * kKeyTile + j, block = pos / p.seq_len, slot = pos % p.seq_len;
-      int64_t row = -1;
-      if (pos < key_end && block < p.blocks) {
-        row = load_index(p.cache_rows, b * p.cache_rows_stride[0] + block * p.cache_rows_stride[1],
-                         p.cache_rows_64);
-      }
-      const bool ok = row >= 0 && row < p.rows_count;
+      const int64_t pos = tile * kKeyTile + j, slot = pos % p.seq_len;
+      const int64_t row = key_row(p, b, pos, keys.end);
+      const bool ok = row >= 0;
       if (d == 0) key_ok[u][j] = ok;
       const T* ksrc = ok ? kbase + row * p.k_stride[0] + slot * p.k_stride[2] + d : kbase;
       const T* vsrc = ok ? vbase + row * p.v_stride[0] + slot * p.v_stride[2] + d : vbase;

@@ -64,3 +64,18 @@ class KVCache:
         Slots are storage positions (prefix_len + t), not RoPE positions: in a token tree
         the RoPE position is prefix_len + depth, and siblings share it."""
         ops.kv_write(self.k[layer], self.v[layer], k_new, v_new, cache_rows, slots)
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        cache_rows: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        tree_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Tree attention of q [B, T, Hq, D] over this layer's cache (see ops.tree_attention).
+        The engine built the indices, so they are not checked again: on cuda that would copy
+        them to the host and wait for the GPU in every layer."""
+        return ops.tree_attention(
+            q, self.k[layer], self.v[layer], cache_rows, prefix_lens, tree_mask, check_indices=False
+        )

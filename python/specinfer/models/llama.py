@@ -51,15 +51,7 @@ class LlamaAttention(nn.Module):
         q, k, v = qkv.split_with_sizes(self.heads, dim=2)
         rotary(q, k, positions)
         kv.write(self.layer, k, v, cache_rows, slots)
-        out = ops.tree_attention(
-            q,
-            kv.k[self.layer],
-            kv.v[self.layer],
-            cache_rows,
-            prefix_lens,
-            tree_mask,
-            check_indices=False,  # the engine built them; a check would wait on the GPU
-        )
+        out = kv.attend(self.layer, q, cache_rows, prefix_lens, tree_mask)
         return self.o_proj(out.reshape(B, T, -1))
 
 

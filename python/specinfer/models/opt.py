@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specinfer import ops
 from specinfer.distributed.group import current_stage
 from specinfer.kv_cache import KVCache
 from specinfer.layers import (
@@ -46,15 +45,7 @@ class OPTAttention(nn.Module):
             t.view(B, T, self.num_heads, self.head_dim) for t in self.qkv_proj(x).chunk(3, dim=-1)
         )
         kv.write(self.layer, k, v, cache_rows, slots)
-        out = ops.tree_attention(
-            q,
-            kv.k[self.layer],
-            kv.v[self.layer],
-            cache_rows,
-            prefix_lens,
-            tree_mask,
-            check_indices=False,  # the engine built them; a check would wait on the GPU
-        )
+        out = kv.attend(self.layer, q, cache_rows, prefix_lens, tree_mask)
         return self.out_proj(out.reshape(B, T, -1))
 
 
