@@ -118,8 +118,8 @@ void tree_attention(py::handle q, py::handle k_cache, py::handle v_cache, py::ha
            bv = borrow(v_cache, op, "v_cache"), brows = borrow(cache_rows, op, "cache_rows"),
            bprefix = borrow(prefix_lens, op, "prefix_lens"),
            bmask = borrow(tree_mask, op, "tree_mask"), bout = borrow(out, op, "out");
-  TreeAttentionArgs args{bq.view,      bk.view,    bv.view,   brows.view,
-                         bprefix.view, bmask.view, bout.view, scale, check_indices};
+  TreeAttentionArgs args{bq.view,    bk.view,   bv.view, brows.view,   bprefix.view,
+                         bmask.view, bout.view, scale,   check_indices};
   check_tree_attention_args(args);
   if (args.q.device == Device::kCPU) {
     OpGraph::run({&bq, &bk, &bv, &brows, &bprefix, &bmask, &bout}, [args] {

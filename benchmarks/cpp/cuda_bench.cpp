@@ -133,8 +133,14 @@ void BM_TreeAttentionCuda(benchmark::State& state) {
   rows.copy_from(host_rows);
   prefix_lens.copy_from(host_prefix);
   mask.copy_from(host_mask);
-  const TreeAttentionArgs args{q.view(),           k.view(),    v.view(),   rows.view(),
-                               prefix_lens.view(), mask.view(), out.view(), 0.125f,
+  const TreeAttentionArgs args{q.view(),
+                               k.view(),
+                               v.view(),
+                               rows.view(),
+                               prefix_lens.view(),
+                               mask.view(),
+                               out.view(),
+                               0.125f,
                                /*check_indices=*/false};  // as the models call it
   check_tree_attention_args(args);
   const double bytes = 2.0 * (2 * batch * hkv * seq * d + 2 * batch * tokens * hq * d);
