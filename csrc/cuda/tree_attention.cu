@@ -73,11 +73,11 @@ int choose_splits(const TreeAttentionParams& p, int64_t blocks, int device) {
 }
 
 template <int Warps, size_t Smem, typename Kernel>
-void launch_kernel(Kernel kernel, const TreeAttentionParams& p, int batch, cudaStream_t stream) {
+void launch_kernel(Kernel kernel, const TreeAttentionParams& p, cudaStream_t stream) {
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Smem)), kOp,
         "cudaFuncSetAttribute");
   const int row_blocks = (p.tokens * p.group + kRowsPerBlock - 1) / kRowsPerBlock;
-  dim3 grid(unsigned(batch) * unsigned(p.kv_heads), unsigned(row_blocks), unsigned(p.splits));
+  dim3 grid(unsigned(p.batch) * unsigned(p.kv_heads), unsigned(row_blocks), unsigned(p.splits));
   kernel<<<grid, Warps * 32, Smem, stream>>>(p);
   check(cudaGetLastError(), kOp, "kernel launch");
 }
@@ -85,32 +85,31 @@ void launch_kernel(Kernel kernel, const TreeAttentionParams& p, int batch, cudaS
 // Tensor cores for 16-bit inputs up to head_dim 128; fp32 (exact to 1e-4) and wider heads run
 // on the CUDA cores.
 template <typename T, int D>
-void launch(const TreeAttentionParams& p, int batch, cudaStream_t stream) {
+void launch(const TreeAttentionParams& p, cudaStream_t stream) {
   if constexpr (!std::is_same_v<T, float> && D <= 128) {
     launch_kernel<kMmaWarps, tree_attention_mma_smem_bytes<D>()>(tree_attention_mma_kernel<T, D>, p,
-                                                                 batch, stream);
+                                                                 stream);
   } else {
-    launch_kernel<kWarps, tree_attention_smem_bytes<D>()>(tree_attention_kernel<T, D>, p, batch,
-                                                          stream);
+    launch_kernel<kWarps, tree_attention_smem_bytes<D>()>(tree_attention_kernel<T, D>, p, stream);
   }
   if (p.splits > 1) {
-    const int64_t threads = int64_t(batch) * p.tokens * p.q_heads * 32;
-    combine_splits<T><<<unsigned((threads + 255) / 256), 256, 0, stream>>>(p, batch);
+    const int64_t threads = int64_t(p.batch) * p.tokens * p.q_heads * 32;
+    combine_splits<T><<<unsigned((threads + 255) / 256), 256, 0, stream>>>(p);
     check(cudaGetLastError(), kOp, "combine launch");
   }
 }
 
 // The kernel's padded width: head_dim rounded up to 32, 64, 128 or 256.
 template <typename T>
-void launch_dtype(const TreeAttentionParams& p, int batch, cudaStream_t stream) {
+void launch_dtype(const TreeAttentionParams& p, cudaStream_t stream) {
   if (p.head_dim <= 32) {
-    launch<T, 32>(p, batch, stream);
+    launch<T, 32>(p, stream);
   } else if (p.head_dim <= 64) {
-    launch<T, 64>(p, batch, stream);
+    launch<T, 64>(p, stream);
   } else if (p.head_dim <= 128) {
-    launch<T, 128>(p, batch, stream);
+    launch<T, 128>(p, stream);
   } else {
-    launch<T, 256>(p, batch, stream);
+    launch<T, 256>(p, stream);
   }
 }
 
@@ -177,6 +176,7 @@ void tree_attention_cuda(const TreeAttentionArgs& a, uintptr_t stream_handle) {
   p.prefix_lens_stride = a.prefix_lens.strides[0];
   p.prefix_lens_64 = a.prefix_lens.dtype == DType::kInt64;
   p.mask = a.tree_mask.ptr<const uint8_t>();
+  p.batch = B;
   p.tokens = T;
   p.mask_cols = int(a.mask_cols());
   p.group = int(a.group());
@@ -203,13 +203,13 @@ void tree_attention_cuda(const TreeAttentionArgs& a, uintptr_t stream_handle) {
 
   switch (a.q.dtype) {
     case DType::kFloat32:
-      launch_dtype<float>(p, B, stream);
+      launch_dtype<float>(p, stream);
       break;
     case DType::kFloat16:
-      launch_dtype<__half>(p, B, stream);
+      launch_dtype<__half>(p, stream);
       break;
     default:
-      launch_dtype<__nv_bfloat16>(p, B, stream);
+      launch_dtype<__nv_bfloat16>(p, stream);
       break;
   }
   if (scratch != nullptr) check(cudaFreeAsync(scratch, stream), kOp, "cudaFreeAsync");

@@ -50,15 +50,21 @@ struct TreeAttentionParams {
   bool prefix_lens_64;
   const uint8_t* mask;  // [B, T, M] bool/uint8: token i may see slot n + j iff mask[b, i, j]
   int64_t mask_stride[3];
-  int tokens, mask_cols, group, kv_heads, q_heads, head_dim;
+  int batch, tokens, mask_cols, group, kv_heads, q_heads, head_dim;
   bool vector_loads;  // K/V rows, strides and head_dim allow 16-byte loads
   float scale_log2;   // softmax scale * log2(e): scores are kept in base 2 for exp2f
   int splits;
-  // With splits > 1: per (split, request, token, q head) the running max and sum [.., 2] and the
-  // unnormalised output [.., head_dim], in that order.
+  // With splits > 1: per (split, request, token, q head) row (partial_row) the running max and
+  // sum [.., 2] and the unnormalised output [.., head_dim].
   float* partial_ml;
   float* partial_acc;
 };
+
+// The row of the splits' partial sums that split z keeps for (request b, token t, q head).
+__device__ __forceinline__ int64_t partial_row(const TreeAttentionParams& p, int z, int b, int t,
+                                               int head) {
+  return ((int64_t(z) * p.batch + b) * p.tokens + t) * p.q_heads + head;
+}
 
 __device__ __forceinline__ int64_t load_index(const void* p, int64_t i, bool is64) {
   return is64 ? static_cast<const int64_t*>(p)[i] : static_cast<const int32_t*>(p)[i];
@@ -86,6 +92,12 @@ __device__ __forceinline__ int64_t key_row(const TreeAttentionParams& p, int b, 
   const int64_t row = load_index(
       p.cache_rows, b * p.cache_rows_stride[0] + block * p.cache_rows_stride[1], p.cache_rows_64);
   return row >= 0 && row < p.rows_count ? row : -1;
+}
+
+// Whether request b's token t may see mask column j (mask_b: its [T, M] mask).
+__device__ __forceinline__ bool mask_allows(const TreeAttentionParams& p, const uint8_t* mask_b,
+                                            int t, int64_t j) {
+  return mask_b[t * p.mask_stride[1] + j * p.mask_stride[2]] != 0;
 }
 
 // Loads kKeyTile cache rows (row j at base + offset[j], absent where offset[j] < 0) into a
@@ -183,11 +195,9 @@ __global__ void __launch_bounds__(kWarps * 32) tree_attention_kernel(const TreeA
       float s = 0.0f;
 #pragma unroll 16
       for (int d = 0; d < D; ++d) s += qr[d] * kr[d];
-      bool visible = key_ok;
-      if (visible && key >= n) {
-        const int t = (row0 + r) / p.group;
-        visible = mask_b[t * p.mask_stride[1] + (key - n) * p.mask_stride[2]] != 0;
-      }
+      // Keys before n are visible to every row, the rest as the row's mask says.
+      const bool visible =
+          key_ok && (key < n || mask_allows(p, mask_b, (row0 + r) / p.group, key - n));
       s = visible ? s : -INFINITY;
       const float tile_max = warp_max(s);
       if (tile_max == -INFINITY) continue;  // warp-uniform: nothing visible in this tile
@@ -208,14 +218,13 @@ __global__ void __launch_bounds__(kWarps * 32) tree_attention_kernel(const TreeA
   }
 
   T* out = static_cast<T*>(p.out);
-  const int64_t partial_rows = int64_t(gridDim.x / p.kv_heads) * p.tokens * p.q_heads;
 #pragma unroll
   for (int i = 0; i < kRowsPerWarp; ++i) {
     const int r = i * kWarps + warp;
     if (r >= rows) break;
     const int t = (row0 + r) / p.group, head = h * p.group + (row0 + r) % p.group;
     if (p.splits > 1) {
-      const int64_t at = blockIdx.z * partial_rows + (int64_t(b) * p.tokens + t) * p.q_heads + head;
+      const int64_t at = partial_row(p, blockIdx.z, b, t, head);
       if (lane == 0) {
         p.partial_ml[2 * at] = m[i];
         p.partial_ml[2 * at + 1] = l[i];
@@ -237,28 +246,30 @@ __global__ void __launch_bounds__(kWarps * 32) tree_attention_kernel(const TreeA
 
 // Combines the splits' partial sums: one warp per (request, token, q head) row.
 template <typename T>
-__global__ void combine_splits(const TreeAttentionParams p, int batch) {
+__global__ void combine_splits(const TreeAttentionParams p) {
   const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
-  const int64_t rows = int64_t(batch) * p.tokens * p.q_heads;
-  if (row >= rows) return;
-  float m = -INFINITY;
-  for (int z = 0; z < p.splits; ++z) m = fmaxf(m, p.partial_ml[2 * (z * rows + row)]);
-  float l = 0.0f;
-  for (int z = 0; z < p.splits; ++z) {
-    const float mz = p.partial_ml[2 * (z * rows + row)];
-    if (mz != -INFINITY) l += exp2f(mz - m) * p.partial_ml[2 * (z * rows + row) + 1];
-  }
-  const float inv = l > 0.0f ? 1.0f / l : 0.0f;  // a row that saw nothing gets zeros
+  if (row >= int64_t(p.batch) * p.tokens * p.q_heads) return;
   const int b = int(row / (int64_t(p.tokens) * p.q_heads));
   const int t = int(row / p.q_heads % p.tokens), head = int(row % p.q_heads);
+  float m = -INFINITY;
+  for (int z = 0; z < p.splits; ++z) m = fmaxf(m, p.partial_ml[2 * partial_row(p, z, b, t, head)]);
+  float l = 0.0f;
+  for (int z = 0; z < p.splits; ++z) {
+    const int64_t at = partial_row(p, z, b, t, head);
+    if (p.partial_ml[2 * at] != -INFINITY)
+      l += exp2f(p.partial_ml[2 * at] - m) * p.partial_ml[2 * at + 1];
+  }
+  const float inv = l > 0.0f ? 1.0f / l : 0.0f;  // a row that saw nothing gets zeros
   T* o =
       static_cast<T*>(p.out) + b * p.out_stride[0] + t * p.out_stride[1] + head * p.out_stride[2];
   for (int d = lane; d < p.head_dim; d += 32) {
     float sum = 0.0f;
     for (int z = 0; z < p.splits; ++z) {
-      const float mz = p.partial_ml[2 * (z * rows + row)];
-      if (mz != -INFINITY) sum += exp2f(mz - m) * p.partial_acc[(z * rows + row) * p.head_dim + d];
+      const int64_t at = partial_row(p, z, b, t, head);
+      if (p.partial_ml[2 * at] != -INFINITY) {
+        sum += exp2f(p.partial_ml[2 * at] - m) * p.partial_acc[at * p.head_dim + d];
+      }
     }
     o[d] = from_float<T>(sum * inv);
   }

@@ -208,10 +208,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
         for (int e = 0; e < 4; ++e) {
           const int i = e / 2, j = nt * 8 + 2 * t4 + e % 2;
           const int64_t key = k0 + j;
-          bool visible = live[i] && key_ok[u][j];
-          if (visible && key >= n) {
-            visible = mask_b[token[i] * p.mask_stride[1] + (key - n) * p.mask_stride[2]] != 0;
-          }
+          const bool visible =
+              live[i] && key_ok[u][j] && (key < n || mask_allows(p, mask_b, token[i], key - n));
           s[nt][e] = visible ? s[nt][e] * p.scale_log2 : -INFINITY;
           tile_max[i] = fmaxf(tile_max[i], s[nt][e]);
         }
@@ -264,7 +262,6 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   if (!warp_active) return;
 
   T* out = static_cast<T*>(p.out);
-  const int64_t partial_rows = int64_t(gridDim.x / p.kv_heads) * p.tokens * p.q_heads;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
@@ -272,8 +269,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
     if (!live[i]) continue;
     const int rr = row0 + wr + g + 8 * i, head = h * p.group + rr % p.group;
     if (p.splits > 1) {
-      const int64_t at =
-          blockIdx.z * partial_rows + (int64_t(b) * p.tokens + token[i]) * p.q_heads + head;
+      const int64_t at = partial_row(p, blockIdx.z, b, token[i], head);
       if (t4 == 0) {
         p.partial_ml[2 * at] = m[i];
         p.partial_ml[2 * at + 1] = l[i];
