@@ -46,12 +46,43 @@ def head_dir(tiny_pair, tmp_path_factory):  # noqa: F811
     return out
 
 
-def _features_of(model, ids: list[int]) -> torch.Tensor:
+LAYERS = (0, 2)  # of the tiny target's 3: a head reading them too (EAGLE-3's fusion)
+
+
+def _layered_head(target):
+    """A head reading LAYERS, its fc_layers random so that every part of a feature counts."""
+    head = build_head(target, feature_layers=LAYERS)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        w = head.fc_layers.weight
+        w.copy_(torch.randn(w.shape, generator=g) / w.shape[1] ** 0.5)
+    return head
+
+
+@pytest.fixture(scope="module")
+def layered_head_dir(tiny_pair, tmp_path_factory):  # noqa: F811
+    from specinfer.tokenizer import TokenizerWrapper
+
+    target = load_model(tiny_pair[0], torch.float32)
+    out = tmp_path_factory.mktemp("feature") / "layered"
+    export_student(_layered_head(target), out, TokenizerWrapper.from_path(tiny_pair[0]),
+                   list(range(target.config.vocab_size)), {"kind": "feature"}, compact=True)  # fmt: skip
+    return out
+
+
+def _features_of(model, ids: list[int], layers: tuple[int, ...] = ()) -> torch.Tensor:
+    """The target's features at every slot of ids: the inputs of `layers`, then the final
+    hidden state (eager, no graphs)."""
     T = len(ids)
     kv = model.make_kv_cache(1, T)
-    with torch.inference_mode():
-        return model(torch.tensor([ids]), torch.arange(T)[None], kv, torch.tensor([0]),
-                     torch.tensor([0]), torch.ones(1, T, T, dtype=torch.bool).tril())[0]  # fmt: skip
+    model.tap(layers)
+    try:
+        with torch.inference_mode():
+            final = model(torch.tensor([ids]), torch.arange(T)[None], kv, torch.tensor([0]),
+                          torch.tensor([0]), torch.ones(1, T, T, dtype=torch.bool).tril())[0]  # fmt: skip
+            return torch.cat([*(t[0] for t in model.taps()), final], dim=-1)
+    finally:
+        model.tap(())
 
 
 def test_teacher_data_keeps_the_targets_features(tmp_path, tiny_training):  # noqa: F811
@@ -66,13 +97,15 @@ def test_teacher_data_keeps_the_targets_features(tmp_path, tiny_training):  # no
         assert torch.allclose(e["features"].float(), want.float(), atol=1e-2)
 
 
-def test_unrolled_training_forward_is_the_serving_draft(tiny_pair):  # noqa: F811
+@pytest.mark.parametrize("layers", [(), LAYERS], ids=["final", "layers"])
+def test_unrolled_training_forward_is_the_serving_draft(tiny_pair, layers):  # noqa: F811
     # Drafting a chain serves pass j's output at slot root + j (its inputs: the true features up
     # to the root, then the head's own outputs): training unrolls exactly what serving runs.
     target = load_model(tiny_pair[0], torch.float32)
-    head = build_head(target)
+    head = _layered_head(target) if layers else build_head(target)
     context = PROMPT + [3, 0, 5, 1]
-    features = _features_of(target, context)
+    features = _features_of(target, context, layers)
+    assert features.shape[-1] == head.feature_size
     spec = FeatureSpeculator(head, TreeConfig((1, 1, 1)))
     spec.reset(1, 64)
     spec.admit(0)
@@ -127,6 +160,23 @@ def test_a_head_started_from_a_head_is_that_head(tiny_pair, head_dir):  # noqa: 
         assert torch.allclose(mine, theirs, atol=1e-6)
 
 
+def test_a_head_reading_layers_starts_as_the_head_without_them(tiny_pair, head_dir):  # noqa: F811
+    # fc_layers starts reading the final hidden state alone: adding layers to a trained head
+    # changes nothing until training makes use of them.
+    target = load_model(tiny_pair[0], torch.float32)
+    start = load_model(head_dir, torch.float32, shared_embeddings_from=target)
+    head = build_head(target, start, feature_layers=LAYERS)
+    ids = PROMPT + [3, 0, 5, 1]
+    wide = _features_of(target, ids, LAYERS)[None]
+    final = wide[..., -head.config.hidden_size :]
+    assert not torch.equal(wide[..., : final.shape[-1]], final)  # the layers differ from it
+    for mine, theirs in zip(
+        unrolled_forward(head, torch.tensor([ids]), wide),
+        unrolled_forward(start, torch.tensor([ids]), final),
+    ):
+        assert torch.allclose(mine, theirs, atol=1e-6)
+
+
 def test_chain_rates_count_whole_prefixes():
     right = torch.tensor
     # depth 1 right at 0, 1, 3; depth 2 (one slot later) right at 1, 2 -> drafts from 0 and 1
@@ -134,9 +184,18 @@ def test_chain_rates_count_whole_prefixes():
     assert chain_rates(matches) == {"depth1": 3 / 4, "depth2": 2 / 4, "depth3": 0.0}
 
 
+@pytest.mark.parametrize("layers", [False, True], ids=["final", "layers"])
 @pytest.mark.parametrize("ssm", ["feature", "merged"])
 @pytest.mark.parametrize("tree", ["1,1,1", "2,2,1"])
-def test_greedy_feature_head_equals_incremental(tiny_pair, head_dir, ssm, tree):  # noqa: F811
+def test_greedy_feature_head_equals_incremental(
+    tiny_pair,  # noqa: F811
+    head_dir,
+    layered_head_dir,
+    ssm,
+    tree,
+    layers,
+):
+    head_dir = layered_head_dir if layers else head_dir
     prompts = [PROMPT, [2, 2, 5], [0, 1, 2, 3, 4, 5, 1]]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     ref = Engine(tiny_pair[0], dtype="float32").generate(prompts, params)
@@ -149,6 +208,19 @@ def test_greedy_feature_head_equals_incremental(tiny_pair, head_dir, ssm, tree):
     accepted = sum(o.metrics["per_ssm"][0]["accepted"] for o in outs)
     assert accepted > 0  # the head's drafts were verified and some kept (6-token vocabulary)
     assert outs[0].metrics["per_ssm"][0]["name"] == f"feature:{head_dir.name}"
+
+
+def test_the_served_head_reads_the_targets_layers(tiny_pair, layered_head_dir):  # noqa: F811
+    # What the engine hands the head at each slot (prompt chunk, decode steps, verified paths)
+    # is the target's features there, tapped layers included, as a teacher-forced forward has.
+    engine = Engine(tiny_pair[0], dtype="float32", ssm=f"feature:{layered_head_dir}",
+                    tree="2,2,1", max_batch_size=1, adaptive_tree=False)  # fmt: skip
+    out = engine.generate([PROMPT], SamplingParams(max_tokens=40, ignore_eos=True))[0]
+    assert out.metrics["per_ssm"][0]["accepted"] > 0  # paths were verified, not only decodes
+    seq = PROMPT + out.token_ids[:-1]  # the tokens the target has run
+    spec = engine.drafter.ssms[0]
+    want = spec.model.reduce(_features_of(engine.model, seq, LAYERS))
+    assert torch.allclose(spec.features[0, : len(seq)], want, atol=1e-4)
 
 
 def test_sampled_feature_head_matches_incremental_distribution(tiny_pair, head_dir, exact):  # noqa: F811
@@ -182,6 +254,54 @@ def test_training_a_head_reports_acceptance_and_exports(tmp_path, tiny_training)
                            tmp_path / "x", str(path))  # fmt: skip
 
 
+def test_training_a_head_that_reads_layers(tmp_path, tiny_training):  # noqa: F811
+    from specinfer.tokenizer import TokenizerWrapper
+
+    path, target, _ = tiny_training
+    engine = Engine(path, dtype="float32")
+    settings = TeacherSettings(str(path), max_new_tokens=6, top_k_logits=3, features=True,
+                               feature_layers=list(LAYERS))  # fmt: skip
+    target.tap(LAYERS)  # as the pipeline does: the scorer hands the layers' inputs over
+    try:
+        examples = make_teacher_data(engine, target, _prompts(8), settings, tmp_path / "teacher")
+    finally:
+        target.tap(())  # the fixture's target is shared with other tests
+    for e in examples:
+        ids = e["prompt"] + e["completion"][:-1]
+        want = _features_of(target, ids, LAYERS)
+        assert torch.allclose(e["features"].float(), want, atol=1e-2)
+    tok = TokenizerWrapper.from_path(path)
+    train = TrainSettings(steps=10, lr=3e-3, batch_size=4)
+    with pytest.raises(ValueError, match="features 16 wide"):  # data without the layers
+        narrow = [{**e, "features": e["features"][:, -16:]} for e in examples]
+        train_feature_head(target, tok, narrow, [], train, tmp_path / "x", str(path),
+                           feature_layers=LAYERS)  # fmt: skip
+    report = train_feature_head(target, tok, examples, examples[:3], train, tmp_path, str(path),
+                                feature_layers=LAYERS)  # fmt: skip
+    config = json.loads((tmp_path / "feature" / "config.json").read_text())
+    assert config["feature_layers"] == list(LAYERS)
+    head = load_model(tmp_path / "feature", torch.float32, shared_embeddings_from=target)
+    assert head.config.feature_layers == LAYERS
+    assert chain_acceptance(head, examples[:3]) == report["held_out_after"]
+    with pytest.raises(ValueError, match="has layers 0..2"):
+        build_head(target, feature_layers=(0, 3))
+
+
+def test_teacher_data_from_before_feature_layers_still_resumes(tmp_path, tiny_training):  # noqa: F811
+    path, target, _ = tiny_training
+    engine = Engine(path, dtype="float32")
+    settings = TeacherSettings(str(path), max_new_tokens=4, top_k_logits=3, features=True)
+    first = make_teacher_data(engine, target, _prompts(2), settings, tmp_path)
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    del meta["feature_layers"]  # as written before the setting existed
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    again = make_teacher_data(engine, target, _prompts(2), settings, tmp_path)
+    assert [e["completion"] for e in again] == [e["completion"] for e in first]
+    with pytest.raises(ValueError, match="feature_layers"):
+        make_teacher_data(engine, target, _prompts(2),
+                          TeacherSettings(**{**vars(settings), "feature_layers": [1]}), tmp_path)  # fmt: skip
+
+
 def test_feature_head_errors(tiny_pair, head_dir):  # noqa: F811
     with pytest.raises(ValueError, match="not a feature head"):
         Engine(tiny_pair[0], ssm=f"feature:{tiny_pair[1]}")
@@ -189,3 +309,22 @@ def test_feature_head_errors(tiny_pair, head_dir):  # noqa: F811
         Engine(tiny_pair[0], ssm=str(head_dir), mode="dsi")
     with pytest.raises(ValueError, match="compact SSM"):
         load_model(head_dir)  # it has no embeddings of its own
+
+
+def test_heads_reading_layers_the_target_lacks_or_other_layers_are_refused(
+    tiny_pair,  # noqa: F811
+    head_dir,
+    layered_head_dir,
+    tmp_path,
+):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(layered_head_dir, bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["feature_layers"] = [0, 7]
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"reads target layers \[0, 7\]"):
+        Engine(tiny_pair[0], ssm=f"feature:{bad}")
+    with pytest.raises(ValueError, match="same target layers"):
+        Engine(tiny_pair[0], ssm=[str(layered_head_dir), str(head_dir)])

@@ -55,13 +55,17 @@ def test_replayed_forwards_equal_eager_ones(tmp_path, name):
     _, model = build_pair(name, tmp_path, dtype=torch.bfloat16)
     runner = GraphRunner(model)
     assert runner.enabled
+    model.tap((0, model.config.num_layers - 1))  # what a feature head reads comes along
     B, S = 2, 64
     with torch.inference_mode():
         kv_eager, kv_graph = model.make_kv_cache(B, S), model.make_kv_cache(B, S)
         for step, (ids, positions, rows, prefix, mask) in enumerate(_steps(B, S)):
             expected = model(ids, positions, kv_eager, rows, prefix, mask)
+            taps = [t.clone() for t in model.taps()]
             got = runner(ids, positions, kv_graph, rows, prefix, mask)
             assert torch.equal(got, expected), f"step {step}: hidden states differ"
+            assert len(runner.taps) == 2
+            assert all(torch.equal(a, b) for a, b in zip(runner.taps, taps)), f"step {step}"
         for a, b in zip(kv_eager.k + kv_eager.v, kv_graph.k + kv_graph.v):
             assert torch.equal(a, b)
     # each shape (prefill (7,7), decode (1,1), trees (4,4), levels (3,5)) recorded once, then

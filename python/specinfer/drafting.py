@@ -49,6 +49,17 @@ class Drafter:
         """Whether an SSM drafts from the target's hidden states (a feature head)."""
         return any(getattr(s, "reads_features", False) for s in self.ssms)
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target layers whose inputs the feature heads read besides the final hidden state
+        (models/feature_head.py); one set for all of them, since they share the features."""
+        wanted = {s.model.config.feature_layers for s in self.ssms
+                  if getattr(s, "reads_features", False)}  # fmt: skip
+        if len(wanted) > 1:
+            raise ValueError("feature heads drafting together must read the same target layers; "
+                             f"these read {' and '.join(map(str, sorted(wanted)))}")  # fmt: skip
+        return next(iter(wanted), ())
+
     def write_features(self, batch: list, prefix: list[int], hidden, lengths: list[int]) -> None:
         """The target's hidden states of tokens it keeps (see ModelRunner.feature_sink)."""
         for s in self.ssms:

@@ -1,9 +1,10 @@
 """A feature head (models/feature_head.py) as a drafter: the Speculator, fed the target's features.
 
 Each token the head reads comes with the feature before it: the target's final hidden state at
-the slot before (true features, which the target's forwards hand over through `write_features`:
-prompt chunks, decode steps, and the accepted path of each verified tree), or inside a draft
-the head's own output at the node's parent (its guess of that feature).
+the slot before (with the inputs of the target layers the head reads, if any, reduced to one;
+true features, which the target's forwards hand over through `write_features`: prompt chunks,
+decode steps, and the accepted path of each verified tree), or inside a draft the head's own
+output at the node's parent (its guess of that feature).
 
 So the head's KV cache keeps only entries made from true features: after verification it keeps
 the root's (its input was the target's feature) and drops the tree's, and its next draft feeds
@@ -40,13 +41,14 @@ class FeatureSpeculator(Speculator):
 
     def write_features(self, batch: list, prefix: list[int], hidden: torch.Tensor,
                        lengths: list[int]) -> None:  # fmt: skip
-        """The target's hidden states hidden[b, :lengths[b]] belong to slots prefix[b] + t of
-        request batch[b] (tokens it has cached, or a verified path it keeps)."""
+        """The target's features hidden[b, :lengths[b]] belong to slots prefix[b] + t of request
+        batch[b] (tokens it has cached, or a verified path it keeps)."""
         end = self.features.shape[1]
+        reduced = self.model.reduce(hidden)
         for b, (r, start, n) in enumerate(zip(batch, prefix, lengths)):
             n = min(n, end - start)
             if n > 0:
-                self.features[r.row, start : start + n] = hidden[b, :n]
+                self.features[r.row, start : start + n] = reduced[b, :n]
 
     def commit(self, batch, prefix, paths, trees, max_depths) -> None:
         """Nothing of the tree is kept: its entries came from the head's guessed features. The

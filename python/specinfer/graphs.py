@@ -50,6 +50,7 @@ class _Recorded:
             self.streamer.split = self._split
         try:
             self.output = model.decode(h, positions, kv, cache_rows, prefix_lens, slots, tree_mask)
+            self.taps = _taps(model)  # replays refill these too
         finally:
             self.segments[-1][1].end()
             if self.streamer is not None:
@@ -70,10 +71,15 @@ class _Recorded:
         return self.output.clone()  # the next replay overwrites the buffer
 
 
+def _taps(model) -> list[torch.Tensor]:
+    return model.taps() if hasattr(model, "taps") else []
+
+
 class GraphRunner:
     """`runner(input_ids, positions, kv, cache_rows, prefix_lens, tree_mask)` is
     `model(...)`, with `model.decode` replayed from a recorded graph where it can be: a graph-safe
-    model on the CPU, in inference mode, with at most MAX_ROWS new tokens in all."""
+    model on the CPU, in inference mode, with at most MAX_ROWS new tokens in all. `taps` holds
+    the last call's kept layer inputs (LlamaForCausalLM.tap), valid until the next call."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
@@ -87,13 +93,16 @@ class GraphRunner:
         self._refused: set = set()  # shapes whose forward used an op a graph cannot hold
         self._kv = None
         self.replays = 0  # forwards run from a graph, for tests and profiling
+        self.taps: list[torch.Tensor] = []
 
     def __call__(
         self, input_ids, positions, kv, cache_rows, prefix_lens, tree_mask
     ) -> torch.Tensor:
         key = self._key(input_ids, positions, kv, cache_rows, prefix_lens, tree_mask)
         if key is None:
-            return self.model(input_ids, positions, kv, cache_rows, prefix_lens, tree_mask)
+            out = self.model(input_ids, positions, kv, cache_rows, prefix_lens, tree_mask)
+            self.taps = _taps(self.model)
+            return out
         return self._run(key, self.model.embed(input_ids), positions, kv, cache_rows, prefix_lens,
                          tree_mask)  # fmt: skip
 
@@ -101,9 +110,14 @@ class GraphRunner:
         """The same from the first layer's input h [B, T, H] (a feature head's fused input)."""
         key = self._key(h[..., 0], positions, kv, cache_rows, prefix_lens, tree_mask)
         if key is None:
-            slots = prefix_lens[:, None] + torch.arange(h.shape[1], device=h.device)
-            return self.model.decode(h, positions, kv, cache_rows, prefix_lens, slots, tree_mask)
+            return self._eager(h, positions, kv, cache_rows, prefix_lens, tree_mask)
         return self._run(key, h, positions, kv, cache_rows, prefix_lens, tree_mask)
+
+    def _eager(self, h, positions, kv, cache_rows, prefix_lens, tree_mask) -> torch.Tensor:
+        slots = prefix_lens[:, None] + torch.arange(h.shape[1], device=h.device)
+        out = self.model.decode(h, positions, kv, cache_rows, prefix_lens, slots, tree_mask)
+        self.taps = _taps(self.model)
+        return out
 
     def _run(self, key, h, positions, kv, cache_rows, prefix_lens, tree_mask) -> torch.Tensor:
         slots = prefix_lens[:, None] + torch.arange(h.shape[1])
@@ -112,19 +126,21 @@ class GraphRunner:
         if graph is not None:
             self._graphs.move_to_end(key)
             self.replays += 1
-            return graph.replay(inputs)
-        try:
-            graph = _Recorded(self.model, kv, inputs)
-        except ops.RecordingRefused:
-            self._refused.add(key)
-            if getattr(self.model, "layer_streamer", None) is not None:
-                self.enabled = False  # each try streams layers again (offload.py): stop trying
-            h, positions, cache_rows, prefix_lens, slots, tree_mask = inputs
-            return self.model.decode(h, positions, kv, cache_rows, prefix_lens, slots, tree_mask)
-        self._graphs[key] = graph
-        while sum(g.rows for g in self._graphs.values()) > MAX_KEPT_ROWS:
-            self._graphs.popitem(last=False)
-        return graph.output.clone()
+            out = graph.replay(inputs)
+        else:
+            try:
+                graph = _Recorded(self.model, kv, inputs)
+            except ops.RecordingRefused:
+                self._refused.add(key)
+                if getattr(self.model, "layer_streamer", None) is not None:
+                    self.enabled = False  # each try streams layers again (offload.py): stop
+                return self._eager(h, positions, kv, cache_rows, prefix_lens, tree_mask)
+            self._graphs[key] = graph
+            while sum(g.rows for g in self._graphs.values()) > MAX_KEPT_ROWS:
+                self._graphs.popitem(last=False)
+            out = graph.output.clone()
+        self.taps = graph.taps
+        return out
 
     def release(self) -> None:
         """Drop every graph (and with them the cache and buffers they hold)."""

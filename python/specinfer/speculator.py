@@ -354,6 +354,12 @@ def load_speculator(
             f"{target_path.name} has {target.config.vocab_size}: they must share a tokenizer"
         )
     if model.config.architecture == "feature":
+        layers, n = model.config.feature_layers, target.config.num_layers
+        tappable = target.config.architecture == "llama" and all(0 <= i < n for i in layers)
+        if layers and not tappable:
+            raise ValueError(f"feature head {path.name} reads target layers {list(layers)}: the "
+                             f"target ({target.config.architecture}, {n} layers) has no such "
+                             "layers to tap")  # fmt: skip
         return FeatureSpeculator(model, tree, name=f"feature:{path.name}")
     if feature:
         raise ValueError(f"{path} is not a feature head (its config.json says "

@@ -176,6 +176,7 @@ class Engine:
                 if self.mode == "dsi" or (self.runner.par is not None and self.runner.par.pp > 1):
                     raise ValueError("a feature head drafts from the target's hidden states of "
                                      "every step: not with mode 'dsi' or pipeline_parallel")  # fmt: skip
+                self.model.tap(self.drafter.feature_layers)
                 self.runner.feature_sink = self.drafter.write_features
             # DSI verifies every drafted level (its servers' rows come at no cost to the step).
             self.budget = TreeBudget() if adaptive_tree and self.mode != "dsi" else None

@@ -37,10 +37,11 @@ class ModelRunner:
         self.ssm_views, self.ssm_caches = {}, {}  # layer-selected SSMs (see ssm_cache)
         self.streamer = getattr(model, "layer_streamer", None)  # offloaded layers (offload.py)
         self.forwards = 0  # target forwards run (rank 0)
-        # A feature-level draft head's input: called (sequences, first slots, hidden states
-        # [B, T, H], lengths) with the final hidden states of the tokens each forward keeps.
+        # A feature-level draft head's input: called (sequences, first slots, features [B, T, F],
+        # lengths) with the features of the tokens each forward keeps: the final hidden states,
+        # after the kept inputs of the layers the model taps (LlamaForCausalLM.tap), if any.
         self.feature_sink = None
-        self.hidden = None  # the last forward's hidden states, while a feature sink is set
+        self.hidden = None  # the last forward's features, while a feature sink is set
 
     # --- primitives: what every rank runs ---
 
@@ -63,7 +64,8 @@ class ModelRunner:
         hidden = self.graphs(tokens.to(dev), positions.to(dev), self.cache, table.to(dev),
                              prefix.to(dev), mask.to(dev))  # fmt: skip
         if self.feature_sink is not None:
-            self.hidden = hidden
+            taps = self.graphs.taps
+            self.hidden = torch.cat([*taps, hidden], dim=-1) if taps else hidden
         if last is not None:
             hidden = hidden[torch.arange(len(last), device=dev), last.to(dev)]
         return self.model.compute_logits(hidden)

@@ -43,6 +43,9 @@ class ModelConfig:
     word_embed_proj_dim: int | None = None
     enable_bias: bool = True
     layer_norm_elementwise_affine: bool = True
+    # Feature head: the target layers whose normalised inputs it reads besides the final
+    # hidden state (models/feature_head.py); empty: the final hidden state alone
+    feature_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.rope_scaling is not None and self.rope_scaling["rope_type"] not in ROPE_TYPES:
@@ -101,6 +104,7 @@ class ModelConfig:
             rope_scaling=scaling,
             attention_bias=d.get("attention_bias", False),
             mlp_bias=d.get("mlp_bias", False),
+            feature_layers=tuple(d.get("feature_layers", ())),
             **common,
         )
 

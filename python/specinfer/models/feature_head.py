@@ -6,6 +6,11 @@ cache; the output, after the head's own final norm, is a guess of f at slot s, s
 LM head turns it into a guess of token s+1. Drafting deeper feeds each guess back in as the next
 slot's feature. Embedding and LM head are the target's (shared, never stored with the head).
 
+With `feature_layers` (EAGLE-3's fusion of low, middle and high layers), the feature of a slot
+is wider: the normalised inputs of those target layers (what their attention reads) and the final
+hidden state, side by side; `reduce` maps it to H. The head's own guesses stay H wide: a draft
+feeds them back as they are, as EAGLE-3 does.
+
 Slot 0 has no feature before it: it reads zeros, in training and in serving alike.
 """
 
@@ -21,7 +26,21 @@ from specinfer.models.llama import LlamaForCausalLM
 class FeatureHead(LlamaForCausalLM):
     def __init__(self, config: ModelConfig):
         super().__init__(config)
-        self.fc = ReplicatedLinear(2 * config.hidden_size, config.hidden_size, bias=True)
+        H = config.hidden_size
+        self.fc = ReplicatedLinear(2 * H, H, bias=True)
+        if config.feature_layers:
+            self.fc_layers = ReplicatedLinear((len(config.feature_layers) + 1) * H, H, bias=True)
+
+    @property
+    def feature_size(self) -> int:
+        """The width of a slot's feature as the target hands it over."""
+        return (len(self.config.feature_layers) + 1) * self.config.hidden_size
+
+    def reduce(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's features [..., feature_size] as the H-wide feature `fuse` reads."""
+        if not self.config.feature_layers:
+            return features
+        return self.fc_layers(features.to(self.fc_layers.weight.dtype))
 
     def fuse(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """The first layer's input [B, T, H] from tokens [B, T] and the features before them

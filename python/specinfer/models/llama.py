@@ -74,12 +74,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    keep_input = False  # set by LlamaForCausalLM.tap
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer)
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.kept_input = None
 
     def forward(self, h, residual, *attn_args):
         """h: the previous layer's output; residual: the stream it is added to (None in the first
@@ -89,6 +92,8 @@ class LlamaDecoderLayer(nn.Module):
             x = self.input_layernorm(h)
         else:
             x = self.input_layernorm(h, residual)
+        if self.keep_input:
+            self.kept_input = x  # a new tensor, which nothing after writes to
         x = self.post_attention_layernorm(self.self_attn(x, *attn_args), residual)
         return self.mlp(x), residual
 
@@ -139,6 +144,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.tapped: tuple[int, ...] = ()  # see tap
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
@@ -193,6 +199,16 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def tap(self, layers: tuple[int, ...]) -> None:
+        """From now on keep the normalised inputs of these decoder layers at every forward (a
+        feature head reads them, models/feature_head.py): `taps()` gives the last forward's."""
+        for i, layer in enumerate(self.model.layers):
+            layer.keep_input = i in layers
+        self.tapped = tuple(layers)
+
+    def taps(self) -> list[torch.Tensor]:
+        return [self.model.layers[i].kept_input for i in self.tapped]
 
     def make_kv_cache(self, rows: int, max_seq_len: int, dtype: torch.dtype | None = None):
         attn = self.model.layers[self.model.owned[0]].self_attn

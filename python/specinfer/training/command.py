@@ -19,6 +19,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "layers; e.g. python/specinfer/default_ssm), not the target's last layer, or "
                    "from a feature head to train further (e.g. "
                    "python/specinfer/default_feature_head)")  # fmt: skip
+    p.add_argument("--feature-layers", default=None,
+                   help="--kind feature: target layers whose inputs the head reads besides the "
+                   "final hidden state (EAGLE-3's fusion), e.g. 3,16,28")  # fmt: skip
     p.add_argument("--layers", default="first:2", help="target layers: first:N or e.g. 0,1,5")
     p.add_argument("--mlp-keep", type=float, default=1.0,
                    help="fraction of MLP channels kept (largest weight norms)")  # fmt: skip
@@ -61,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     try:
+        feature_layers = _layer_list(args.feature_layers)
         settings = TrainSettings(loss=args.loss, epochs=args.epochs, steps=args.steps, lr=args.lr,
                                  batch_size=args.batch_size,
                                  checkpoint_every=args.checkpoint_every,
@@ -72,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
             gen_batch=args.gen_batch, settings=settings,
             compact=args.compact, boost_stages=args.boost, match=args.match,
             independent_mode=args.independent, kind=args.kind, start=args.start,
+            feature_layers=feature_layers,
         )  # fmt: skip
     except (ValueError, FileNotFoundError) as e:
         print(f"specinfer: error: {e}", file=sys.stderr)
@@ -81,3 +86,14 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)  # fmt: skip
         return 130
     return 0
+
+
+def _layer_list(text: str | None) -> tuple[int, ...]:
+    if not text:
+        return ()
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(
+            f"--feature-layers takes layer numbers like 3,16,28, got {text!r}"
+        ) from None

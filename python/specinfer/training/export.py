@@ -78,6 +78,8 @@ def hf_config(cfg, dtype: torch.dtype) -> dict:
     }
     if cfg.rope_scaling is not None:
         config["rope_scaling"] = cfg.rope_scaling
+    if cfg.feature_layers:
+        config["feature_layers"] = list(cfg.feature_layers)
     return config
 
 

@@ -37,9 +37,13 @@ UNROLL = 3  # passes trained (and depths evaluated)
 FEATURE_WEIGHT = 0.1
 
 
-def build_head(target: nn.Module, start: nn.Module | None = None) -> FeatureHead:
-    """A float32 head for `target`, sharing its embedding and LM head. From `start`, a feature
-    head of the target: a copy of it, to train further (e.g. on new data). From `start`, an SSM
+def build_head(target: nn.Module, start: nn.Module | None = None,
+               feature_layers: tuple[int, ...] = ()) -> FeatureHead:  # fmt: skip
+    """A float32 head for `target`, sharing its embedding and LM head, reading the inputs of
+    `feature_layers` of the target besides its final hidden state (EAGLE-3); `fc_layers` starts
+    reading the final hidden state alone, so that a head starts as it would without them. From
+    `start`, a feature head of the target: a copy of it, to train further (e.g. on new data;
+    its `fc_layers` too if it reads the same layers). From `start`, an SSM
     of the target (e.g. the distilled default SSM): its layers and norm, with fc passing the
     token embedding through and ignoring the feature, so the head starts as that SSM and
     training adds what the features tell. Without it: one layer, the target's last (it already
@@ -50,7 +54,9 @@ def build_head(target: nn.Module, start: nn.Module | None = None) -> FeatureHead
                          f"{target.config.architecture}")  # fmt: skip
     source = start if start is not None else target
     layers = list(source.model.layers) if start is not None else [target.model.layers[-1]]
-    config = dataclasses.replace(source.config, architecture="feature", num_layers=len(layers))
+    check_feature_layers(target, feature_layers)
+    config = dataclasses.replace(source.config, architecture="feature", num_layers=len(layers),
+                                 feature_layers=tuple(feature_layers))  # fmt: skip
     head = FeatureHead(config).float().eval()
     for mine, theirs in zip(head.model.layers, layers):
         mine.load_state_dict(theirs.state_dict())
@@ -67,15 +73,36 @@ def build_head(target: nn.Module, start: nn.Module | None = None) -> FeatureHead
             token = torch.randn(H, H, generator=g) * 0.16 / math.sqrt(H)
             head.fc.weight.copy_(torch.cat([token, torch.eye(H)], dim=1))
             head.fc.bias.zero_()
+        if feature_layers:
+            same = (
+                start is not None
+                and start.config.architecture == "feature"
+                and start.config.feature_layers == config.feature_layers
+            )
+            if same:
+                head.fc_layers.load_state_dict(start.fc_layers.state_dict())
+            else:
+                head.fc_layers.weight.zero_()
+                head.fc_layers.weight[:, -H:] = torch.eye(H)
+                head.fc_layers.bias.zero_()
     head.model.embed_tokens.weight = target.model.embed_tokens.weight
     head.lm_head.weight = target.lm_head.weight
     return head
 
 
+def check_feature_layers(target: nn.Module, feature_layers: tuple[int, ...]) -> None:
+    n = target.config.num_layers
+    if not all(0 <= i < n for i in feature_layers):
+        raise ValueError(f"feature layers {list(feature_layers)}: the target has layers 0..{n - 1}")
+
+
 def unrolled_forward(head: FeatureHead, ids: torch.Tensor, features: torch.Tensor,
                      passes: int = UNROLL) -> list[torch.Tensor]:  # fmt: skip
     """Each pass's outputs [B, T, H] over right-padded ids [B, T] from slot 0; features[b, s] is
-    the target's f_s. Differentiable torch ops, same math as serving (see the module doc)."""
+    the target's f_s (with the layers the head reads: [B, T, F]). Differentiable torch ops, same
+    math as serving (see the module doc)."""
+    if head.config.feature_layers:
+        features = F.linear(features, head.fc_layers.weight, head.fc_layers.bias)
     B, T, H = features.shape
     before = torch.cat([features.new_zeros(B, 1, H), features[:, :-1]], dim=1)
     embedded = F.embedding(ids, head.model.embed_tokens.weight)
@@ -131,7 +158,7 @@ def feature_loss(head: FeatureHead, batch: list[dict], kind: str, vocab: torch.T
     weight = head.lm_head.weight
     if vocab is not None:
         weight = weight[torch.unique(torch.cat([vocab, ids[valid]]))]
-    want = feats[valid]
+    want = feats[valid][:, -head.config.hidden_size :]  # the final hidden states
     with torch.no_grad():
         log_p = F.log_softmax(want @ weight.T, -1)
     slot = torch.arange(ids.shape[1]).expand_as(ids)[valid]
@@ -214,10 +241,11 @@ def chain_rates(matches: list[list[torch.Tensor]]) -> dict[str, float]:
 
 def train_feature_head(target, tokenizer, examples: list[dict], held: list[dict],
                        settings: TrainSettings, out: Path, target_name: str,
-                       start: str | Path | None = None) -> dict:  # fmt: skip
-    """The pipeline's `--kind feature`: build (from the SSM at `start`, see build_head), train
-    (resumable), export to <out>/feature (or load a finished export), and report held-out
-    chain acceptance before and after."""
+                       start: str | Path | None = None,
+                       feature_layers: tuple[int, ...] = ()) -> dict:  # fmt: skip
+    """The pipeline's `--kind feature`: build (from the SSM at `start`, reading `feature_layers`,
+    see build_head), train (resumable), export to <out>/feature (or load a finished export), and
+    report held-out chain acceptance before and after."""
     from specinfer.default_model import DEFAULT_SSM_DIR, ships_an_ssm
     from specinfer.loader import load_model
     from specinfer.training.teacher import head_tokens
@@ -227,11 +255,18 @@ def train_feature_head(target, tokenizer, examples: list[dict], held: list[dict]
     ssm = None
     if start is not None:
         ssm = load_model(start, torch.float32, shared_embeddings_from=target)
-    head = build_head(target, ssm)
+    head = build_head(target, ssm, feature_layers)
+    width = head.feature_size
+    for e in examples + held:
+        if e["features"].shape[-1] != width:
+            raise ValueError(f"teacher data with features {e['features'].shape[-1]} wide; a head "
+                             f"reading layers {list(feature_layers)} needs {width}")  # fmt: skip
     out_dir = out / "feature"
     info = {"kind": "feature", "train": asdict(settings), "examples": len(examples),
             "unroll": UNROLL, "feature_weight": FEATURE_WEIGHT,
             "start": str(start) if start is not None else None}  # fmt: skip
+    if feature_layers:
+        info["feature_layers"] = list(feature_layers)
     report = {"target": target_name, "kind": "feature", "train_prompts": len(examples),
               "held_out_prompts": len(held),
               "teacher_tokens": sum(len(e["completion"]) for e in examples)}  # fmt: skip

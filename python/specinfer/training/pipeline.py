@@ -44,13 +44,15 @@ def train_ssm(
     independent_mode: str | None = None,
     kind: str = "layers",
     start: str | Path | None = None,
+    feature_layers: tuple[int, ...] = (),
 ) -> dict:
     """Returns the report (also written to <out>/report.json). `chat`: wrap text prompts in the
     target's chat template (default: when it has one, as `specinfer generate` does). `kind`:
     "layers" (a student of selected target layers) or "feature" (a feature-level draft head,
     see training/feature.py; `layers`, `mlp_keep`, boosting and `compact` do not apply; `start`:
     an SSM of the target the head starts from, e.g. the shipped default SSM, or a feature head
-    to train further)."""
+    to train further; `feature_layers`: target layers whose inputs it reads besides the final
+    hidden state, EAGLE-3's low/middle/high fusion)."""
     from specinfer.default_model import default_model_path
     from specinfer.engine import Engine
     from specinfer.loader import load_model
@@ -63,6 +65,8 @@ def train_ssm(
         raise ValueError(
             f"--start takes an SSM or feature head directory for --kind feature, got {start!r}"
         )
+    if feature_layers and kind != "feature":
+        raise ValueError("feature layers are read by a feature head: use them with --kind feature")
     if boost_stages < 1:
         raise ValueError(f"boost stages must be at least 1, got {boost_stages}")
     if top_k_logits < 1 or max_new_tokens < 1:
@@ -79,9 +83,15 @@ def train_ssm(
         chat = bool(engine.tokenizer.chat_template)
     teacher = TeacherSettings(str(path), str(engine.dtype).removeprefix("torch."), max_new_tokens,
                               temperature, top_k_logits, chat,
-                              features=kind == "feature")  # fmt: skip
+                              features=kind == "feature",
+                              feature_layers=list(feature_layers))  # fmt: skip
     # Soft targets and the student's starting weights come from float32.
     target = engine.model if engine.dtype == torch.float32 else load_model(path, torch.float32)
+    if feature_layers:
+        from specinfer.training.feature import check_feature_layers
+
+        check_feature_layers(target, feature_layers)
+        target.tap(feature_layers)  # the scorer hands their inputs over with its features
     examples = make_teacher_data(
         engine, target, _encode(engine, train_prompts, chat, prompts), teacher, out / "teacher"
     )
@@ -96,7 +106,7 @@ def train_ssm(
         from specinfer.training.feature import train_feature_head
 
         return train_feature_head(target, tokenizer, examples, held, settings, out, str(path),
-                                  start)  # fmt: skip
+                                  start, feature_layers)  # fmt: skip
 
     recipe = SSMRecipe(target, tokenizer, chosen, settings, head_tokens(examples), mlp_keep,
                        compact)  # fmt: skip

@@ -28,9 +28,10 @@ def completion_logits(
 def completion_outputs(
     model: nn.Module, seqs: list[Sequence], batch_size: int = 8, desc: str | None = None
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Per sequence, the completion logits (as completion_logits) and the model's final hidden
-    states [len(prompt) + len(completion) - 1, H] at every input position (the features a
-    feature-level draft head reads)."""
+    """Per sequence, the completion logits (as completion_logits) and the model's features
+    [len(prompt) + len(completion) - 1, F] at every input position (what a feature-level draft
+    head reads: the final hidden states, after the inputs of the layers the model taps, if any;
+    see LlamaForCausalLM.tap)."""
     with tqdm(total=len(seqs), desc=desc, unit="prompt", disable=desc is None, leave=False) as bar:
         for start in range(0, len(seqs), batch_size):
             batch = seqs[start : start + batch_size]
@@ -44,7 +45,9 @@ def completion_outputs(
             mask = torch.ones(T, T, dtype=torch.bool).tril().expand(B, T, T)
             hidden = model(ids, torch.arange(T).expand(B, T), kv, torch.arange(B),
                            torch.zeros(B, dtype=torch.long), mask)  # fmt: skip
+            taps = model.taps() if hasattr(model, "taps") else []
+            features = torch.cat([*taps, hidden], dim=-1) if taps else hidden
             for b, (p, c) in enumerate(batch):
                 logits = model.compute_logits(hidden[b, len(p) - 1 : len(p) - 1 + len(c)]).float()
-                yield logits, hidden[b, : len(p) + len(c) - 1]
+                yield logits, features[b, : len(p) + len(c) - 1]
             bar.update(B)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -30,6 +30,8 @@ class TeacherSettings:
     seed: int = 0
     shard_size: int = 32
     features: bool = False  # also keep the target's hidden states (for a feature-level head)
+    # and the inputs of these target layers before them (the scorer taps them)
+    feature_layers: list[int] = field(default_factory=list)
 
 
 def make_teacher_data(
@@ -38,7 +40,8 @@ def make_teacher_data(
 ) -> list[dict]:  # fmt: skip
     """Examples {"prompt", "completion" (token id lists), "topk_ids" int32 [n, K],
     "topk_logits" float16 [n, K]}, with settings.features also "features" float16 [len(prompt) +
-    n - 1, H] (the scorer's final hidden state at every input position), for every prompt (token ids), in order. The engine writes the
+    n - 1, F] (the scorer's features at every input position: its final hidden state, after the
+    inputs of the layers it taps), for every prompt (token ids), in order. The engine writes the
     completions (in the dtype it will serve in); `scorer`, the same model in float32, gives the
     logits (a teacher-forced forward, where torch's float32 matmul is fast on the CPU)."""
     from specinfer.sampling import SamplingParams
@@ -48,7 +51,10 @@ def make_teacher_data(
     meta = {**asdict(settings), "prompts_sha256": _digest(prompts), "num_prompts": len(prompts)}
     meta_file = out_dir / "meta.json"
     if meta_file.exists():
-        old = json.loads(meta_file.read_text())
+        # Settings added since the data was made read as their defaults.
+        defaults = {f.name: f.default_factory() if f.default_factory is not MISSING
+                    else f.default for f in fields(TeacherSettings)}  # fmt: skip
+        old = {**defaults, **json.loads(meta_file.read_text())}
         if old != meta:
             changed = sorted(k for k in meta if old.get(k) != meta[k])
             raise ValueError(
