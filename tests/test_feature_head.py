@@ -33,19 +33,6 @@ from test_speculative import (
 from test_training import _prompts
 from test_training import tiny as tiny_training  # noqa: F401 (a fixture)
 
-
-@pytest.fixture(scope="module")
-def head_dir(tiny_pair, tmp_path_factory):  # noqa: F811
-    """An (untrained) feature head of the tiny target, exported as the pipeline does."""
-    from specinfer.tokenizer import TokenizerWrapper
-
-    target = load_model(tiny_pair[0], torch.float32)
-    out = tmp_path_factory.mktemp("feature") / "head"
-    export_student(build_head(target), out, TokenizerWrapper.from_path(tiny_pair[0]),
-                   list(range(target.config.vocab_size)), {"kind": "feature"}, compact=True)  # fmt: skip
-    return out
-
-
 LAYERS = (0, 2)  # of the tiny target's 3: a head reading them too (EAGLE-3's fusion)
 
 
@@ -59,15 +46,24 @@ def _layered_head(target):
     return head
 
 
-@pytest.fixture(scope="module")
-def layered_head_dir(tiny_pair, tmp_path_factory):  # noqa: F811
+def _exported(tiny_pair, out, make):  # noqa: F811
+    """An (untrained) feature head of the tiny target, exported as the pipeline does."""
     from specinfer.tokenizer import TokenizerWrapper
 
     target = load_model(tiny_pair[0], torch.float32)
-    out = tmp_path_factory.mktemp("feature") / "layered"
-    export_student(_layered_head(target), out, TokenizerWrapper.from_path(tiny_pair[0]),
+    export_student(make(target), out, TokenizerWrapper.from_path(tiny_pair[0]),
                    list(range(target.config.vocab_size)), {"kind": "feature"}, compact=True)  # fmt: skip
     return out
+
+
+@pytest.fixture(scope="module")
+def head_dir(tiny_pair, tmp_path_factory):  # noqa: F811
+    return _exported(tiny_pair, tmp_path_factory.mktemp("feature") / "head", build_head)
+
+
+@pytest.fixture(scope="module")
+def layered_head_dir(tiny_pair, tmp_path_factory):  # noqa: F811
+    return _exported(tiny_pair, tmp_path_factory.mktemp("feature") / "layered", _layered_head)
 
 
 def _features_of(model, ids: list[int], layers: tuple[int, ...] = ()) -> torch.Tensor:
