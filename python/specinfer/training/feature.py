@@ -39,16 +39,18 @@ FEATURE_WEIGHT = 0.1
 
 def build_head(target: nn.Module, start: nn.Module | None = None,
                feature_layers: tuple[int, ...] = ()) -> FeatureHead:  # fmt: skip
-    """A float32 head for `target`, sharing its embedding and LM head, reading the inputs of
-    `feature_layers` of the target besides its final hidden state (EAGLE-3); `fc_layers` starts
-    reading the final hidden state alone, so that a head starts as it would without them. From
-    `start`, a feature head of the target: a copy of it, to train further (e.g. on new data;
-    its `fc_layers` too if it reads the same layers). From `start`, an SSM
-    of the target (e.g. the distilled default SSM): its layers and norm, with fc passing the
-    token embedding through and ignoring the feature, so the head starts as that SSM and
-    training adds what the features tell. Without it: one layer, the target's last (it already
-    maps hidden states to features), its final norm, and fc passing the feature through plus a
-    little of the token."""
+    """A float32 head for `target`, sharing its embedding and LM head.
+    - From `start`, a feature head of the target: a copy of it, to train further (e.g. on new
+      data).
+    - From `start`, an SSM of the target (e.g. the distilled default SSM): its layers and norm,
+      with fc passing the token embedding through and ignoring the feature, so the head starts
+      as that SSM and training adds what the features tell.
+    - Without it: one layer, the target's last (it already maps hidden states to features), its
+      final norm, and fc passing the feature through plus a little of the token.
+    With `feature_layers` it also reads the inputs of those target layers (EAGLE-3's fusion);
+    its `fc_layers` starts reading the final hidden state alone (or as `start`'s, if that reads
+    the same layers), so the head starts as it would without them.
+    """
     if target.config.architecture != "llama":
         raise ValueError(f"feature heads support Llama-family targets, not "
                          f"{target.config.architecture}")  # fmt: skip
