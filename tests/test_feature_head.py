@@ -206,17 +206,23 @@ def test_greedy_feature_head_equals_incremental(
     assert outs[0].metrics["per_ssm"][0]["name"] == f"feature:{head_dir.name}"
 
 
-def test_the_served_head_reads_the_targets_layers(tiny_pair, layered_head_dir):  # noqa: F811
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: from replayed graphs
+def test_the_served_head_reads_the_targets_layers(tiny_pair, layered_head_dir, dtype):  # noqa: F811
     # What the engine hands the head at each slot (prompt chunk, decode steps, verified paths)
     # is the target's features there, tapped layers included, as a teacher-forced forward has.
-    engine = Engine(tiny_pair[0], dtype="float32", ssm=f"feature:{layered_head_dir}",
+    engine = Engine(tiny_pair[0], dtype=dtype, ssm=f"feature:{layered_head_dir}",
                     tree="2,2,1", max_batch_size=1, adaptive_tree=False)  # fmt: skip
     out = engine.generate([PROMPT], SamplingParams(max_tokens=40, ignore_eos=True))[0]
     assert out.metrics["per_ssm"][0]["accepted"] > 0  # paths were verified, not only decodes
+    if dtype == "bfloat16":
+        from specinfer import ops
+
+        assert engine.runner.graphs.replays > 0 or ops._C is None
     seq = PROMPT + out.token_ids[:-1]  # the tokens the target has run
     spec = engine.drafter.ssms[0]
     want = spec.model.reduce(_features_of(engine.model, seq, LAYERS))
-    assert torch.allclose(spec.features[0, : len(seq)], want, atol=1e-4)
+    got = spec.features[0, : len(seq)]
+    assert torch.allclose(got.float(), want.float(), atol=1e-4)
 
 
 def test_sampled_feature_head_matches_incremental_distribution(tiny_pair, head_dir, exact):  # noqa: F811
