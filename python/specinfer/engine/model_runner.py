@@ -22,6 +22,7 @@ from torch import nn
 from specinfer import ops
 from specinfer.engine.sequence import Sequence
 from specinfer.graphs import GraphRunner
+from specinfer.models.feature_head import target_features
 from specinfer.tree import TokenTree
 
 
@@ -64,8 +65,7 @@ class ModelRunner:
         hidden = self.graphs(tokens.to(dev), positions.to(dev), self.cache, table.to(dev),
                              prefix.to(dev), mask.to(dev))  # fmt: skip
         if self.feature_sink is not None:
-            taps = self.graphs.taps
-            self.hidden = torch.cat([*taps, hidden], dim=-1) if taps else hidden
+            self.hidden = target_features(hidden, self.graphs.taps)
         if last is not None:
             hidden = hidden[torch.arange(len(last), device=dev), last.to(dev)]
         return self.model.compute_logits(hidden)

@@ -23,6 +23,12 @@ from specinfer.models.config import ModelConfig
 from specinfer.models.llama import LlamaForCausalLM
 
 
+def target_features(hidden: torch.Tensor, taps: list[torch.Tensor]) -> torch.Tensor:
+    """What a feature head reads of the target at each slot: the inputs of the layers it taps
+    (LlamaForCausalLM.tap), then the final hidden state, side by side."""
+    return torch.cat([*taps, hidden], dim=-1) if taps else hidden
+
+
 class FeatureHead(LlamaForCausalLM):
     def __init__(self, config: ModelConfig):
         super().__init__(config)

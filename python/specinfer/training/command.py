@@ -64,7 +64,6 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     try:
-        feature_layers = _layer_list(args.feature_layers)
         settings = TrainSettings(loss=args.loss, epochs=args.epochs, steps=args.steps, lr=args.lr,
                                  batch_size=args.batch_size,
                                  checkpoint_every=args.checkpoint_every,
@@ -76,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
             gen_batch=args.gen_batch, settings=settings,
             compact=args.compact, boost_stages=args.boost, match=args.match,
             independent_mode=args.independent, kind=args.kind, start=args.start,
-            feature_layers=feature_layers,
+            feature_layers=args.feature_layers,
         )  # fmt: skip
     except (ValueError, FileNotFoundError) as e:
         print(f"specinfer: error: {e}", file=sys.stderr)
@@ -86,14 +85,3 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)  # fmt: skip
         return 130
     return 0
-
-
-def _layer_list(text: str | None) -> tuple[int, ...]:
-    if not text:
-        return ()
-    try:
-        return tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise ValueError(
-            f"--feature-layers takes layer numbers like 3,16,28, got {text!r}"
-        ) from None

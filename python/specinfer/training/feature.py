@@ -56,7 +56,9 @@ def build_head(target: nn.Module, start: nn.Module | None = None,
                          f"{target.config.architecture}")  # fmt: skip
     source = start if start is not None else target
     layers = list(source.model.layers) if start is not None else [target.model.layers[-1]]
-    check_feature_layers(target, feature_layers)
+    n = target.config.num_layers
+    if not all(0 <= i < n for i in feature_layers):
+        raise ValueError(f"feature layers {list(feature_layers)}: the target has layers 0..{n - 1}")
     config = dataclasses.replace(source.config, architecture="feature", num_layers=len(layers),
                                  feature_layers=tuple(feature_layers))  # fmt: skip
     head = FeatureHead(config).float().eval()
@@ -90,12 +92,6 @@ def build_head(target: nn.Module, start: nn.Module | None = None,
     head.model.embed_tokens.weight = target.model.embed_tokens.weight
     head.lm_head.weight = target.lm_head.weight
     return head
-
-
-def check_feature_layers(target: nn.Module, feature_layers: tuple[int, ...]) -> None:
-    n = target.config.num_layers
-    if not all(0 <= i < n for i in feature_layers):
-        raise ValueError(f"feature layers {list(feature_layers)}: the target has layers 0..{n - 1}")
 
 
 def unrolled_forward(head: FeatureHead, ids: torch.Tensor, features: torch.Tensor,

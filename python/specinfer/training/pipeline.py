@@ -44,7 +44,7 @@ def train_ssm(
     independent_mode: str | None = None,
     kind: str = "layers",
     start: str | Path | None = None,
-    feature_layers: tuple[int, ...] = (),
+    feature_layers: str | None = None,
 ) -> dict:
     """Returns the report (also written to <out>/report.json). `chat`: wrap text prompts in the
     target's chat template (default: when it has one, as `specinfer generate` does). `kind`:
@@ -52,7 +52,7 @@ def train_ssm(
     see training/feature.py; `layers`, `mlp_keep`, boosting and `compact` do not apply; `start`:
     an SSM of the target the head starts from, e.g. the shipped default SSM, or a feature head
     to train further; `feature_layers`: target layers whose inputs it reads besides the final
-    hidden state, EAGLE-3's low/middle/high fusion)."""
+    hidden state, EAGLE-3's low/middle/high fusion, e.g. "3,16,28")."""
     from specinfer.default_model import default_model_path
     from specinfer.engine import Engine
     from specinfer.loader import load_model
@@ -79,19 +79,17 @@ def train_ssm(
     path = Path(model) if model is not None else default_model_path()
     engine = Engine(path, dtype=dtype, max_batch_size=gen_batch)
     chosen = parse_layers(layers, engine.config.num_layers)
+    tapped = tuple(parse_layers(feature_layers, engine.config.num_layers)) if feature_layers else ()
     if chat is None:
         chat = bool(engine.tokenizer.chat_template)
     teacher = TeacherSettings(str(path), str(engine.dtype).removeprefix("torch."), max_new_tokens,
                               temperature, top_k_logits, chat,
                               features=kind == "feature",
-                              feature_layers=list(feature_layers))  # fmt: skip
+                              feature_layers=list(tapped))  # fmt: skip
     # Soft targets and the student's starting weights come from float32.
     target = engine.model if engine.dtype == torch.float32 else load_model(path, torch.float32)
-    if feature_layers:
-        from specinfer.training.feature import check_feature_layers
-
-        check_feature_layers(target, feature_layers)
-        target.tap(feature_layers)  # the scorer hands their inputs over with its features
+    if tapped:
+        target.tap(tapped)  # the scorer hands their inputs over with its features
     examples = make_teacher_data(
         engine, target, _encode(engine, train_prompts, chat, prompts), teacher, out / "teacher"
     )
@@ -106,7 +104,7 @@ def train_ssm(
         from specinfer.training.feature import train_feature_head
 
         return train_feature_head(target, tokenizer, examples, held, settings, out, str(path),
-                                  start, feature_layers)  # fmt: skip
+                                  start, tapped)  # fmt: skip
 
     recipe = SSMRecipe(target, tokenizer, chosen, settings, head_tokens(examples), mlp_keep,
                        compact)  # fmt: skip

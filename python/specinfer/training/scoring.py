@@ -12,6 +12,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from specinfer.models.feature_head import target_features
+
 Sequence = tuple[list[int], list[int]]  # (prompt ids, completion ids)
 
 
@@ -45,8 +47,7 @@ def completion_outputs(
             mask = torch.ones(T, T, dtype=torch.bool).tril().expand(B, T, T)
             hidden = model(ids, torch.arange(T).expand(B, T), kv, torch.arange(B),
                            torch.zeros(B, dtype=torch.long), mask)  # fmt: skip
-            taps = model.taps() if hasattr(model, "taps") else []
-            features = torch.cat([*taps, hidden], dim=-1) if taps else hidden
+            features = target_features(hidden, model.taps() if hasattr(model, "taps") else [])
             for b, (p, c) in enumerate(batch):
                 logits = model.compute_logits(hidden[b, len(p) - 1 : len(p) - 1 + len(c)]).float()
                 yield logits, features[b, : len(p) + len(c) - 1]
