@@ -360,3 +360,27 @@ def test_cli_train_ssm(tmp_path, tiny, capsys):
            "--out", str(tmp_path / "bad"), "--max-new-tokens", "2"]  # fmt: skip
     assert main(bad) == 2
     assert "layers [3] out of range" in capsys.readouterr().err
+
+
+def test_sampled_teacher_data_keeps_held_out_completions_greedy(tmp_path, tiny):
+    from specinfer.training import TrainSettings, train_ssm
+
+    path = tiny[0]
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(" ".join(f"t{t}" for t in p) for p in _prompts(12)))
+    train_ssm(prompts, tmp_path / "out", model=path, layers="0", held_out=prompts,
+              max_new_tokens=6, temperature=1.5, dtype="float32",
+              settings=TrainSettings(steps=1))  # fmt: skip
+    meta = {d: json.loads((tmp_path / "out" / d / "meta.json").read_text())
+            for d in ("teacher", "teacher_held_out")}  # fmt: skip
+    assert meta["teacher"]["temperature"] == 1.5 and meta["teacher_held_out"]["temperature"] == 0
+    engine = Engine(path, dtype="float32")
+    encoded = [prompt_ids(engine.tokenizer, p, True) for p in load_prompts(prompts)]
+    greedy = [o.token_ids for o in engine.generate(encoded, SamplingParams(max_tokens=6))]
+    shards = sorted((tmp_path / "out").glob("teacher*/shard_*.pt"))
+    by_dir = {}
+    for f in shards:
+        by_dir.setdefault(f.parent.name, []).extend(torch.load(f, weights_only=True))
+    held = [e["completion"] for e in by_dir["teacher_held_out"]]
+    sampled = [e["completion"] for e in by_dir["teacher"]]
+    assert held == greedy and sampled != greedy  # same prompts: only the training data samples

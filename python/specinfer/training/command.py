@@ -29,7 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap text prompts in the chat template (default: if the model has one)")  # fmt: skip
     p.add_argument("--max-new-tokens", type=int, default=128, help="teacher completion length")
-    p.add_argument("--temperature", type=float, default=0.0, help="teacher sampling (0 = greedy)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of the teacher's training completions (0 = "
+                   "greedy; held-out completions are always greedy)")  # fmt: skip
     p.add_argument("--top-k-logits", type=int, default=32, help="teacher logits kept a position")
     p.add_argument("--dtype", default="bfloat16",
                    help="dtype the target generates the teacher completions in (serve in the same; "

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 from pathlib import Path
@@ -93,9 +94,12 @@ def train_ssm(
     examples = make_teacher_data(
         engine, target, _encode(engine, train_prompts, chat, prompts), teacher, out / "teacher"
     )
+    # Held-out completions stay greedy whatever the training data's temperature: acceptance is
+    # measured against the target's greedy choices, comparably across runs.
     held = make_teacher_data(
-        engine, target, _encode(engine, held_prompts, chat, held_out), teacher,
-        out / "teacher_held_out", desc="held-out teacher data",
+        engine, target, _encode(engine, held_prompts, chat, held_out),
+        dataclasses.replace(teacher, temperature=0.0), out / "teacher_held_out",
+        desc="held-out teacher data",
     ) if held_prompts else []  # fmt: skip
     tokenizer = engine.tokenizer
     del engine
