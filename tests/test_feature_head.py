@@ -247,6 +247,8 @@ def test_training_a_head_reports_acceptance_and_exports(tmp_path, tiny_training)
     assert set(after) == {"depth1", "depth2", "depth3"}
     assert after["depth1"] > before["depth1"]  # trained on these very prompts
     assert after["depth1"] >= after["depth2"] >= after["depth3"]
+    slots = sum(len(e["prompt"]) + len(e["completion"]) - 1 for e in examples)
+    assert report["trained_slots"] == slots > report["teacher_tokens"]
     config = json.loads((tmp_path / "feature" / "config.json").read_text())
     assert config["architectures"] == ["SpecinferFeatureHead"]
     head = load_model(tmp_path / "feature", torch.float32, shared_embeddings_from=target)

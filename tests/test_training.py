@@ -134,6 +134,34 @@ def test_teacher_data_resumes_and_checks_settings(tmp_path, tiny):
         )
 
 
+def test_teacher_data_rescores_an_earlier_runs_completions(tmp_path, tiny):
+    path, target, _ = tiny
+    engine = Engine(path, dtype="float32")
+    prompts = _prompts(6)
+    plain = TeacherSettings(str(path), max_new_tokens=5, top_k_logits=3, shard_size=4)
+    first = make_teacher_data(engine, target, prompts, plain, tmp_path / "a")
+    engine.generate = None  # re-scoring must not generate
+    wider = TeacherSettings(str(path), max_new_tokens=5, top_k_logits=5, shard_size=4,
+                            features=True)  # fmt: skip
+    again = make_teacher_data(engine, target, prompts, wider, tmp_path / "b",
+                              completions_from=tmp_path / "a")  # fmt: skip
+    assert [e["completion"] for e in again] == [e["completion"] for e in first]
+    assert all(e["topk_ids"].shape == (5, 5) and "features" in e for e in again)
+    for e, old in zip(again, first):  # the same scorer: the top 3 of 5 are the top 3
+        assert torch.equal(e["topk_ids"][:, :3], old["topk_ids"])
+    longer = TeacherSettings(str(path), max_new_tokens=6, top_k_logits=5, shard_size=4)
+    with pytest.raises(ValueError, match=r"generated otherwise \(max_new_tokens differ\)"):
+        make_teacher_data(engine, target, prompts, longer, tmp_path / "c",
+                          completions_from=tmp_path / "a")  # fmt: skip
+    (tmp_path / "a" / "shard_00001.pt").unlink()
+    with pytest.raises(FileNotFoundError, match="lacks shard_00001.pt"):
+        make_teacher_data(engine, target, prompts, wider, tmp_path / "d",
+                          completions_from=tmp_path / "a")  # fmt: skip
+    with pytest.raises(FileNotFoundError, match="no teacher data"):
+        make_teacher_data(engine, target, prompts, wider, tmp_path / "e",
+                          completions_from=tmp_path / "nothing")  # fmt: skip
+
+
 # -- the student --------------------------------------------------------------------------------
 
 
@@ -384,3 +412,28 @@ def test_sampled_teacher_data_keeps_held_out_completions_greedy(tmp_path, tiny):
     held = [e["completion"] for e in by_dir["teacher_held_out"]]
     sampled = [e["completion"] for e in by_dir["teacher"]]
     assert held == greedy and sampled != greedy  # same prompts: only the training data samples
+
+
+def test_train_ssm_reuses_an_earlier_runs_completions(tmp_path, tiny, monkeypatch):
+    from specinfer.training import TrainSettings, train_ssm
+
+    path = tiny[0]
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(" ".join(f"t{t}" for t in p) for p in _prompts(6)))
+    common = dict(model=path, layers="0", held_out=prompts, max_new_tokens=4,
+                  settings=TrainSettings(steps=1))  # fmt: skip
+    train_ssm(prompts, tmp_path / "a", **common)
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("generated again")
+
+    monkeypatch.setattr(Engine, "generate", no_generation)
+    train_ssm(prompts, tmp_path / "b", top_k_logits=4, completions_from=tmp_path / "a", **common)
+    for name in ("teacher", "teacher_held_out"):
+        a, b = (torch.load(tmp_path / d / name / "shard_00000.pt", weights_only=True)
+                for d in ("a", "b"))  # fmt: skip
+        assert [e["completion"] for e in a] == [e["completion"] for e in b]
+        assert b[0]["topk_ids"].shape[1] == 4 != a[0]["topk_ids"].shape[1]
+    with pytest.raises(FileNotFoundError, match="no teacher data in"):
+        train_ssm(prompts, tmp_path / "c", completions_from=tmp_path / "x", **common)
+    assert not (tmp_path / "c").exists()  # refused before any work

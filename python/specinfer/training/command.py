@@ -22,6 +22,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--feature-layers", default=None,
                    help="--kind feature: target layers whose inputs the head reads besides the "
                    "final hidden state (EAGLE-3's fusion), e.g. 3,16,28")  # fmt: skip
+    p.add_argument("--completions-from", default=None, metavar="DIR",
+                   help="re-score the teacher completions of an earlier run's --out (same "
+                   "prompts and generation settings) instead of generating them again, e.g. "
+                   "for other --feature-layers or --top-k-logits")  # fmt: skip
     p.add_argument("--layers", default="first:2", help="target layers: first:N or e.g. 0,1,5")
     p.add_argument("--mlp-keep", type=float, default=1.0,
                    help="fraction of MLP channels kept (largest weight norms)")  # fmt: skip
@@ -77,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
             gen_batch=args.gen_batch, settings=settings,
             compact=args.compact, boost_stages=args.boost, match=args.match,
             independent_mode=args.independent, kind=args.kind, start=args.start,
-            feature_layers=args.feature_layers,
+            feature_layers=args.feature_layers, completions_from=args.completions_from,
         )  # fmt: skip
     except (ValueError, FileNotFoundError) as e:
         print(f"specinfer: error: {e}", file=sys.stderr)

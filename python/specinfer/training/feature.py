@@ -267,7 +267,9 @@ def train_feature_head(target, tokenizer, examples: list[dict], held: list[dict]
         info["feature_layers"] = list(feature_layers)
     report = {"target": target_name, "kind": "feature", "train_prompts": len(examples),
               "held_out_prompts": len(held),
-              "teacher_tokens": sum(len(e["completion"]) for e in examples)}  # fmt: skip
+              "teacher_tokens": sum(len(e["completion"]) for e in examples),
+              # the loss reads every input slot, prompt slots too
+              "trained_slots": sum(len(e["features"]) for e in examples)}  # fmt: skip
     if held:
         report["held_out_before"] = chain_acceptance(head, held, desc="untrained: held-out")
         if ships_an_ssm(target_name):

@@ -46,6 +46,7 @@ def train_ssm(
     kind: str = "layers",
     start: str | Path | None = None,
     feature_layers: str | None = None,
+    completions_from: str | Path | None = None,
 ) -> dict:
     """Returns the report (also written to <out>/report.json). `chat`: wrap text prompts in the
     target's chat template (default: when it has one, as `specinfer generate` does). `kind`:
@@ -53,7 +54,10 @@ def train_ssm(
     see training/feature.py; `layers`, `mlp_keep`, boosting and `compact` do not apply; `start`:
     an SSM of the target the head starts from, e.g. the shipped default SSM, or a feature head
     to train further; `feature_layers`: target layers whose inputs it reads besides the final
-    hidden state, EAGLE-3's low/middle/high fusion, e.g. "3,16,28")."""
+    hidden state, EAGLE-3's low/middle/high fusion, e.g. "3,16,28"). `completions_from`: an
+    earlier run's --out, made from the same prompts with the same generation settings: its
+    teacher completions (and held-out ones, if it has them) are re-scored, not generated again
+    (e.g. to read other feature layers)."""
     from specinfer.default_model import default_model_path
     from specinfer.engine import Engine
     from specinfer.loader import load_model
@@ -74,6 +78,9 @@ def train_ssm(
         raise ValueError("top-k-logits and max-new-tokens must be at least 1")
     if independent_mode not in (None, "split", "seeds"):
         raise ValueError(f"independent mode must be 'split' or 'seeds', got {independent_mode!r}")
+    if completions_from is not None and _reused(completions_from, "teacher") is None:
+        raise FileNotFoundError(f"no teacher data in {completions_from}: give an earlier run's "
+                                "--out")  # fmt: skip
     out = Path(out)
     train_prompts = load_prompts(prompts)
     held_prompts = load_prompts(held_out) if held_out else []
@@ -92,14 +99,16 @@ def train_ssm(
     if tapped:
         target.tap(tapped)  # the scorer hands their inputs over with its features
     examples = make_teacher_data(
-        engine, target, _encode(engine, train_prompts, chat, prompts), teacher, out / "teacher"
-    )
+        engine, target, _encode(engine, train_prompts, chat, prompts), teacher, out / "teacher",
+        completions_from=_reused(completions_from, "teacher"),
+    )  # fmt: skip
     # Held-out completions stay greedy whatever the training data's temperature: acceptance is
     # measured against the target's greedy choices, comparably across runs.
     held = make_teacher_data(
         engine, target, _encode(engine, held_prompts, chat, held_out),
         dataclasses.replace(teacher, temperature=0.0), out / "teacher_held_out",
         desc="held-out teacher data",
+        completions_from=_reused(completions_from, "teacher_held_out"),
     ) if held_prompts else []  # fmt: skip
     tokenizer = engine.tokenizer
     del engine
@@ -127,6 +136,11 @@ def train_ssm(
     (out / "report.json").write_text(json.dumps(report, indent=2))
     print(summary(report))
     return report
+
+
+def _reused(run: str | Path | None, name: str) -> Path | None:
+    """An earlier run's teacher data directory `name`, if there is one."""
+    return Path(run) / name if run is not None and (Path(run) / name).is_dir() else None
 
 
 def _encode(engine, prompts: list, chat: bool, file) -> list[list[int]]:
