@@ -489,7 +489,9 @@ def _bars(ax, rows: dict, title: str) -> None:
     labels = [re.sub(r"corpus=[^,+]*/", "corpus=", t) for t in names]
     labels = [re.sub(r"([+:,])", "\\1\n", t) for t in labels]
     ax.set_xticks(range(len(names)), labels, fontsize=8)
-    ax.set(title=title, ylabel="ms per token")
+    # Headroom above the tallest bar for its label and a legend.
+    top = max(rows[t]["ms_per_token"] for t in names)
+    ax.set(title=title, ylabel="ms per token", ylim=(0, 1.3 * top))
 
 
 def _plot_rows(ax, rows: dict, result: dict) -> None:
