@@ -34,6 +34,11 @@ class TeacherSettings:
     feature_layers: list[int] = field(default_factory=list)
 
 
+# What makes the completions themselves: data with these equal can share them.
+GENERATION = ("model", "dtype", "max_new_tokens", "temperature", "chat", "seed", "shard_size",
+              "prompts_sha256", "num_prompts")  # fmt: skip
+
+
 def make_teacher_data(
     engine, scorer, prompts: list[list[int]], settings: TeacherSettings, out_dir: str | Path,
     desc: str = "teacher data", completions_from: str | Path | None = None,
@@ -102,11 +107,6 @@ def make_teacher_data(
         bar.set_postfix(tokens=sum(len(e["completion"]) for e in examples))
     bar.close()
     return examples
-
-
-# What makes the completions themselves: data with these equal can share them.
-GENERATION = ("model", "dtype", "max_new_tokens", "temperature", "chat", "seed", "shard_size",
-              "prompts_sha256", "num_prompts")  # fmt: skip
 
 
 def _changed(meta_file: Path, meta: dict, keys=None) -> list[str]:
