@@ -61,6 +61,13 @@ def _prompts(n: int, vocab=VOCAB) -> list[list[int]]:
     return [[(7 * i + 3 * j + 1) % vocab for j in range(2 + i % 5)] for i in range(n)]
 
 
+def _prompt_file(tmp_path, n: int):
+    """_prompts(n) as a text prompt file, one prompt a line."""
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n".join(" ".join(f"t{t}" for t in p) for p in _prompts(n)))
+    return path
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(target path, float32 target, teacher examples for 24 prompts x 8 tokens)."""
@@ -365,8 +372,7 @@ def test_cli_train_ssm(tmp_path, tiny, capsys):
     from specinfer.cli import main
 
     path = tiny[0]
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("\n".join(" ".join(f"t{t}" for t in p) for p in _prompts(12)))
+    prompts = _prompt_file(tmp_path, 12)
     args = ["train-ssm", "--prompts", str(prompts), "--held-out", str(prompts), "--model",
             str(path), "--out", str(tmp_path / "out"), "--layers", "0", "--steps", "2",
             "--max-new-tokens", "4", "--boost", "2", "--match", "prefix:1",
@@ -394,8 +400,7 @@ def test_sampled_teacher_data_keeps_held_out_completions_greedy(tmp_path, tiny):
     from specinfer.training import TrainSettings, train_ssm
 
     path = tiny[0]
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("\n".join(" ".join(f"t{t}" for t in p) for p in _prompts(12)))
+    prompts = _prompt_file(tmp_path, 12)
     train_ssm(prompts, tmp_path / "out", model=path, layers="0", held_out=prompts,
               max_new_tokens=6, temperature=1.5, dtype="float32",
               settings=TrainSettings(steps=1))  # fmt: skip
@@ -418,8 +423,7 @@ def test_train_ssm_reuses_an_earlier_runs_completions(tmp_path, tiny, monkeypatc
     from specinfer.training import TrainSettings, train_ssm
 
     path = tiny[0]
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("\n".join(" ".join(f"t{t}" for t in p) for p in _prompts(6)))
+    prompts = _prompt_file(tmp_path, 6)
     common = dict(model=path, layers="0", held_out=prompts, max_new_tokens=4,
                   settings=TrainSettings(steps=1))  # fmt: skip
     train_ssm(prompts, tmp_path / "a", **common)
