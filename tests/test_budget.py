@@ -175,6 +175,7 @@ def test_a_drafter_whose_nodes_are_all_cut_stops_and_is_retried_ever_less_often(
         return _chain([4, 5, 6], source=1, tree=tree) if 1 in run else tree
 
     budget = SteepCosts()
+    budget._could_pay = lambda drafter, batch: True  # priced in the tests further down
     budget.time_step(1, 1, 0, 0)
     budget.observe([draft({1})] * 30, [[0, 1, 2, 3]] * 30)  # drafter 0 accepted, 1 never
     runs = []
@@ -310,12 +311,53 @@ class RowCosts(TreeBudget):
 
 def test_a_stopped_drafter_is_not_retried_where_its_trees_cannot_pay():
     """Retrying costs a forward as wide as the tree for every request: at 16 requests a tree
-    like the recent ones (0.5 tokens expected from its best node) cannot pay, at 1 it can."""
+    like its last one (a chain of 2, untested: 0.5 and 0.25 tokens expected) cannot pay, at 1
+    it can."""
     for batch, retried in ((16, False), (1, True)):
         budget = RowCosts()
-        budget.rest, budget.drafting, budget.curve = 0.001, 0.002, [0.5, 0.6]
+        budget.rest, budget.draft_each = 0.001, {0: 0.002}
+        budget._last_tree[0] = _chain([1, 2])
         budget._idle[0] = PATIENCE  # stopped
         assert any(0 in budget.drafts(1, batch) for _ in range(10)) == retried
+
+
+def test_a_stopped_drafter_is_retried_by_what_its_own_nodes_are_worth():
+    """Drafter 0 (an SSM whose chains are accepted) was stopped; meanwhile drafter 1 (prompt
+    lookup) drafts nodes never accepted. Whether drafter 0's retry could pay is priced by its
+    own last tree, not by the trees drafted while it was stopped, which hold none of its nodes
+    (priced by those, it was refused until the batch shrank): it is retried after the
+    back-off, and back for good once its nodes are kept again."""
+    budget = RowCosts()
+    budget.rest = 0.001
+    budget.observe([_chain([1, 2, 3])] * 30, [[0, 1, 2, 3]] * 30)
+    budget.observe([_chain([7], source=1)] * 30, [[0]] * 30)
+    budget.choose([_chain([1, 2, 3])], GREEDY, draft_s=[0.002, 0.0])
+    budget._idle[0], budget._explore[0] = PATIENCE, 16  # stopped: retried after 16 steps
+    runs = []
+    for _ in range(18):
+        runs.append(budget.drafts(2))
+        tree = _chain([1, 2, 3]) if 0 in runs[-1] else TokenTree(9)
+        budget.choose([_chain([7], source=1, tree=tree)], GREEDY, draft_s=[0.002, 0.0001])
+    assert budget.rate(1, 1) < 0.1  # the trees without drafter 0 were worth nothing
+    assert [0 in run for run in runs] == [False] * 15 + [True] * 3
+
+
+def test_a_fresh_budget_keeps_a_drafter_that_pays_through_its_first_timings():
+    """A fresh engine drafts from its first step: plain decoding has not run, the first forward
+    of each width and the drafter's first forwards record graphs (the drafting ten times its
+    later cost). A drafter whose chains are accepted to depth 2 (forward 9 ms + 1 ms a row,
+    drafting 1.4 ms) must not be stopped on those guesses."""
+    budget = TreeBudget()
+    runs = []
+    for step in range(20):
+        runs.append(budget.drafts(1))
+        tree = _chain([1, 2, 3, 4]) if runs[-1] else TokenTree(9)
+        draft_s = (0.011 if step == 0 else 0.0014) if runs[-1] else 0.0
+        kept = budget.choose([tree], GREEDY, draft_s=[draft_s])[0]
+        budget.observe([tree], [[0, 1, 2]])
+        width = len(kept)
+        budget.time_step(1, width, 0.009 + 0.001 * width, 0.0002, draft_s if runs[-1] else None)
+    assert all(0 in run for run in runs)
 
 
 def test_rates_follow_the_verifications():
@@ -368,10 +410,9 @@ def test_a_refused_retry_backs_off_until_the_batch_shrinks():
     """At 16 requests a stopped drafter's retry is refused on paper; the refusal is not priced
     again at every step (it backs off like a failed retry), but a smaller batch asks at once."""
     budget = RowCosts()
-    budget.rest, budget.drafting, budget.curve = 0.001, 0.002, [0.5, 0.6]
     budget._idle[0] = PATIENCE
     asked = []
-    budget._could_pay = lambda batch: asked.append(batch) or batch == 1
+    budget._could_pay = lambda drafter, batch: asked.append(batch) or batch == 1
     assert not any(0 in budget.drafts(1, 16) for _ in range(60))
     assert 4 <= len(asked) <= 6  # after 2, 4, 8, 16, 32 skipped steps: not 60 times
     assert budget.drafts(1, 1) == {0}  # the batch shrank: asked now, and it could pay

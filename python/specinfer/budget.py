@@ -26,10 +26,12 @@ Drafting that only feeds the cut is time lost, so a drafter whose every node the
 its last PATIENCE steps stops drafting for the requests that may be cut (`drafts`); it drafts
 again after 2, then 4, ... 64 skipped steps, and resumes for good once it earns its place again
 (the text became predictable, the batch shrank), judged the step after its retry (the retry's
-drafting includes catching up). A retry that could not pay at the batch size by the learned
-costs is refused without drafting and backs off the same way, unless the batch shrinks. The cut
-prices a step with the drafting already done (it is spent whatever is kept); whether drafting
-pays at all is the step's expected tokens per second against plain decoding's, which drafts
+drafting includes catching up). A retry that could not pay at the batch size (the drafter's
+nodes in a tree like its last one, by the rates and costs learned since) is refused without
+drafting and backs off the same way, unless the batch shrinks. The cut prices a step with the
+drafting already done (it is spent whatever is kept); whether drafting pays at all is the
+step's expected tokens per second against plain decoding's (untimed, at most what the narrowest
+timed forward cost: drafters are stopped on timings, not on guesses), which drafts
 nothing: where plain decoding would have been faster, the step counts as one with every node cut
 for all its drafters. And each drafter must earn its own drafting time: the step must be
 expected to be at least as fast as without it (without its drafting time, the nodes only it
@@ -86,9 +88,12 @@ class TreeBudget:
         self.rest = 0.0  # seconds a step spends outside the target forward and the drafting
         self.drafting = 0.0  # seconds per request a step that drafts spends drafting
         self.level_s: dict[int, float] = {}  # drafter -> seconds per request of one level
-        # Expected accepted tokens per request with its k best nodes (index k - 1), averaged
-        # over recent drafted trees: what drafting would gain at a width, before drafting.
-        self.curve: list[float] = []
+        # Per drafter, the last tree it proposed nodes in and its drafting seconds per request:
+        # what a retry would gain (its nodes, valued by the rates as they are then: a stopped
+        # drafter's rates drift back to their priors) and cost, before it drafts. Its own,
+        # since while it is stopped the trees drafted hold none of its nodes.
+        self._last_tree: dict[int, TokenTree] = {}
+        self.draft_each: dict[int, float] = {}
         self._idle: dict[int, int] = {}  # drafter -> its last drafted steps with no node kept
         self._skipped: dict[int, int] = {}  # drafter -> steps skipped since it last drafted
         self._explore: dict[int, int] = {}  # drafter -> skipped steps before it drafts again
@@ -174,9 +179,11 @@ class TreeBudget:
         """The cut at the width that maximises expected tokens per second (None: nothing timed
         yet), with what `_note_idle` judges it by: per tree its nodes best first (None: kept
         whole) and their values, and the expected tokens (None where plain decoding would be
-        faster). `judged`: the cut drafters are judged by, whose values `curve` follows."""
+        faster). `judged`: the cut drafters are judged by (it keeps each one's last tree)."""
         whole = [list(range(len(t))) for t in trees]
         widest = max(len(t) for t in trees)
+        if self.estimate(len(trees), widest) <= 0:
+            return None  # nothing timed yet (a step's rest and drafting are not a forward)
         orders: list[list[int] | None] = []
         values: list[list[float]] = []
         gains = [float(len(trees))] * widest  # gains[w - 1]: expected tokens at width w
@@ -194,18 +201,29 @@ class TreeBudget:
             for width in range(1, widest + 1):
                 gains[width - 1] += top[min(width - 1, len(order))]
             if judged:
-                self._learn_curve(top)
+                self._last_tree.update((source, tree) for source in tree.prop_source)
         best, best_score = widest, -1.0
         for width in range(floor, widest + 1):
             seconds = self.rest + self.drafting * len(trees) + self.estimate(len(trees), width)
-            if seconds <= 0:
-                return None
             if gains[width - 1] / seconds > best_score:
                 best, best_score = width, gains[width - 1] / seconds
         kept = [keep if order is None else sorted([0] + order[: best - 1])
                 for keep, order in zip(whole, orders)]  # fmt: skip
-        plain = len(trees) / max(self.rest + self.estimate(len(trees), 1), 1e-9)
+        plain = len(trees) / max(self.rest + self._at_most(len(trees), 1), 1e-9)
         return kept, orders, values, gains[best - 1] if best_score > plain else None
+
+    def _at_most(self, batch: int, width: int) -> float:
+        """The target forward for `batch` trees of `width`, to judge drafters by: `estimate`,
+        but where that is a lower bound below every timed row count, at most what the narrowest
+        wider one cost. A fresh engine drafts from its first step: plain decoding has not run,
+        and the lower bound priced it at a fraction of a tree's forward (10 ms really, 2.6 by
+        the bound), which stopped every drafter on that guess."""
+        rows = batch * width
+        if any(r <= rows for r in self.cost):
+            return self.estimate(batch, width)
+        return min(
+            (c for r, c in self.cost.items() if r > rows), default=self.estimate(batch, width)
+        )
 
     def _note_idle(self, trees: list[TokenTree], kept: list[list[int]],
                    orders: list[list[int] | None], values: list[list[float]],
@@ -252,7 +270,7 @@ class TreeBudget:
                     stay = [v for by, v in nodes if not by <= leaving]
                     lost += sum(v for _, v in nodes) - sum(stay)
                     width = max(width, 1 + len(stay))
-                seconds = self.rest + self.drafting * batch + self.estimate(batch, width)
+                seconds = self.rest + self.drafting * batch + self._at_most(batch, width)
                 return tokens - lost, seconds - sum(draft_s[i] for i in leaving)
 
             rate = lambda step: step[0] / max(step[1], 1e-9)  # noqa: E731
@@ -267,6 +285,11 @@ class TreeBudget:
                 worst = max(short, key=lambda i: (self._explore.get(i, EXPLORE[0]), faster[i]))
                 gone.add(worst)
                 used.discard(worst)
+        if draft_s is not None:
+            for i in proposed - on_trial:  # a retry's time includes catching up
+                per = draft_s[i] / len(trees)
+                old = self.draft_each.get(i)
+                self.draft_each[i] = per if old is None else (1 - SMOOTH) * old + SMOOTH * per
         for i in proposed:
             if i in used:
                 self._idle[i], self._explore[i] = 0, EXPLORE[0]
@@ -280,17 +303,14 @@ class TreeBudget:
         costs a forward as wide as the tree for every request)."""
         run = set()
         self._resumed = set()
-        could_pay = None  # asked once a step at most: it prices every width
         for i in range(drafters):
             if self._idle.get(i, 0) >= PATIENCE:
                 self._skipped[i] = self._skipped.get(i, 0) + 1
                 shrank = batch < self._refused.get(i, 0)  # since its trees last could not pay
                 if not shrank and self._skipped[i] < self._explore.get(i, EXPLORE[0]):
                     continue
-                if could_pay is None:
-                    could_pay = self._could_pay(batch)
                 self._explore[i] = min(2 * self._explore.get(i, EXPLORE[0]), EXPLORE[1])
-                if not could_pay:  # a retry refused on paper backs off like one that failed
+                if not self._could_pay(i, batch):  # refused on paper: backs off like a failure
                     self._refused[i], self._skipped[i] = batch, 0
                     continue
                 self._refused.pop(i, None)
@@ -304,24 +324,21 @@ class TreeBudget:
         feed new prompts (it catches up when it drafts again)."""
         return {i for i, idle in self._idle.items() if idle >= PATIENCE}
 
-    def _learn_curve(self, top: list[float]) -> None:
-        top = top[1:] or [0.0]
-        if not self.curve:
-            self.curve = top
-            return
-        n = max(len(top), len(self.curve))
-        pad = lambda xs: xs + [xs[-1]] * (n - len(xs))  # noqa: E731
-        self.curve = [(1 - SMOOTH) * a + SMOOTH * b for a, b in zip(pad(self.curve), pad(top))]
-
-    def _could_pay(self, batch: int) -> bool:
-        """Whether drafting trees like the recent ones would beat plain decoding for `batch`
-        requests, by the learned costs (untimed widths priced optimistically)."""
-        if not self.curve:
+    def _could_pay(self, drafter: int, batch: int) -> bool:
+        """Whether `drafter`'s nodes in a tree like its last one would beat plain decoding for
+        `batch` requests, by the learned rates and costs (untimed widths priced
+        optimistically)."""
+        tree = self._last_tree.get(drafter)
+        if tree is None or self.estimate(batch, 2) <= 0:
             return True
-        plain = batch / max(self.rest + self.estimate(batch, 1), 1e-9)
-        for width in range(2, len(self.curve) + 2):
-            seconds = self.rest + self.drafting * batch + self.estimate(batch, width)
-            if seconds <= 0 or batch * (1 + self.curve[width - 2]) / seconds > plain:
+        value = self.values(tree, confident=False)
+        mine = {child for child, s in zip(tree.prop_child, tree.prop_source) if s == drafter}
+        curve = list(accumulate(sorted((value[n] for n in mine), reverse=True)))
+        spent = self.rest + self.draft_each.get(drafter, 0.0) * batch
+        plain = batch / max(self.rest + self._at_most(batch, 1), 1e-9)
+        for width in range(2, len(curve) + 2):
+            seconds = spent + self.estimate(batch, width)
+            if batch * (1 + curve[width - 2]) / seconds > plain:
                 return True
         return False
 
@@ -343,12 +360,12 @@ class TreeBudget:
             level = [v * r for v in level for r in rates]
             nodes += [(v, d) for v in level]
         nodes.sort(key=lambda n: (-n[0], n[1]))  # a child is worth at most its parent
+        if self.estimate(batch, 1) <= 0:
+            return 1  # nothing timed yet: one level, then grow as the timings allow
         best, best_score, gain, deepest = len(widths), -1.0, 0.0, 0
         for k, (value, d) in enumerate(nodes, start=1):
             gain, deepest = gain + value, max(deepest, d)
             seconds = self.rest + (deepest + 1) * level_s + self.estimate(batch, 1 + k)
-            if seconds <= 0:
-                return 1  # nothing timed yet: one level, then grow as the timings allow
             if (1 + gain) / seconds > best_score:
                 best, best_score = deepest, (1 + gain) / seconds
         return best
@@ -419,16 +436,18 @@ class TreeBudget:
                   draft_s: float | None = None) -> None:  # fmt: skip
         """Record a step's timings: its target forward, the rest (verification, commit), and
         its drafting (None: it drafted nothing). A shape's first forward records its graph, so
-        it is not counted."""
+        it is not counted, nor the drafting that step (a fresh drafter's first forwards record
+        theirs: ten times a step's drafting, which would price a drafter out from the start)."""
         self.rest = (1 - SMOOTH) * self.rest + SMOOTH * rest_s if self.rest else rest_s
-        if draft_s is not None:
+        first = (batch, width) not in self._seen
+        if draft_s is not None and not first:
             per_request = draft_s / batch
             self.drafting = (
                 (1 - SMOOTH) * self.drafting + SMOOTH * per_request
                 if self.drafting
                 else per_request
             )
-        if (batch, width) not in self._seen:
+        if first:
             self._seen.add((batch, width))
             return
         rows = batch * width
