@@ -19,6 +19,11 @@
 - Drafters at batch 1: the n-gram drafter alone, the SSM alone, and both merged into one tree:
   latency, tokens per step, accepted nodes per SSM, and one iteration's time broken down (each
   SSM's drafting, target tree forward, verify, commit).
+- Fresh (--paired configurations, --fresh-prompts K): what a new engine gives from its first
+  request, as `specinfer generate` runs: for every K consecutive prompts a fresh engine per
+  configuration, the prompts one at a time, configurations in turn as in the paired section;
+  per engine, ms per generated token (prefill included: a fresh engine records its graphs as
+  it goes) and tokens per step; mean, worst and every engine's.
 - Acceptance (--acceptance SSMs): real greedy decoding with each SSM alone drafting whole chains
   of 3: per depth d, the fraction of steps whose first d drafted tokens were accepted.
 - Paired (--paired): incremental decoding and drafting configurations run prompt by prompt in
@@ -66,7 +71,7 @@ STDLIB = ["json", "os.path", "collections", "itertools", "re", "argparse", "csv"
 
 
 SECTIONS = ("table1", "table2", "table3", "latency", "trees", "drafters", "ngrams", "rows",
-            "paired", "acceptance")  # fmt: skip
+            "paired", "fresh", "acceptance")  # fmt: skip
 
 
 def parse_sampling(text: str) -> dict:
@@ -195,6 +200,8 @@ def main() -> None:
     parser.add_argument("--paired-batches", type=int, nargs="+", default=[1],
                         help="batch sizes of the paired section (requests run together, "
                         "consecutive prompts)")  # fmt: skip
+    parser.add_argument("--fresh-prompts", type=int, default=4,
+                        help="prompts each fresh engine of the fresh section runs")  # fmt: skip
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     parser.add_argument(
         "--sampling",
@@ -212,7 +219,8 @@ def main() -> None:
     result = {"ssm": args.ssm, "ssm_head": args.ssm_head, "ngram": args.ngram, "dtype": args.dtype,
               "threads": args.threads, "tokens": args.tokens, "prompts": len(prompts),
               "tree": args.tree, "chat": args.chat, "prompts_file": args.prompts_file,
-              "trees_ngram": args.trees_ngram, "sampling": args.sampling}  # fmt: skip
+              "trees_ngram": args.trees_ngram, "sampling": args.sampling,
+              "fresh_prompts": args.fresh_prompts}  # fmt: skip
     run = set(args.sections)
 
     if "table1" in run:
@@ -238,6 +246,8 @@ def main() -> None:
     if "paired" in run:
         for batch in args.paired_batches:
             result[f"paired_batch{batch}"] = paired(base, args, prompts, batch)
+    if "fresh" in run:
+        result["fresh_engines"] = fresh(base, args, prompts)
     save(result, args.out, plot)
 
 
@@ -342,16 +352,7 @@ def paired(base: dict, args, prompts: list, batch: int = 1) -> dict:
     """Each configuration on each group of `batch` prompts in turn, the order rotated each
     group (the machine's drift and a run's place after another's then hit all alike); means
     over groups (equal token counts)."""
-    engines = {}
-    for name in args.paired:
-        whole = name.startswith("whole:")
-        config = name.removeprefix("whole:")
-        kw = {**base, "adaptive_tree": not whole}
-        if config == "incremental":
-            engines[name] = Engine(**{**kw, "ssm": None})
-            continue
-        specs, trees = zip(*(_drafter(part, args.ssm) for part in config.split("+")))
-        engines[name] = Engine(**{**kw, "ssm": list(specs)}, tree=list(trees))
+    engines = {name: _engine(base, name, args.ssm) for name in args.paired}
     runs = {name: [] for name in engines}
     groups = [prompts[i : i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
     names = list(engines)
@@ -396,6 +397,56 @@ def paired(base: dict, args, prompts: list, batch: int = 1) -> dict:
     return result
 
 
+def _engine(base: dict, name: str, ssm: str) -> Engine:
+    """The engine of a paired configuration (see the module docstring)."""
+    whole = name.startswith("whole:")
+    config = name.removeprefix("whole:")
+    kw = {**base, "adaptive_tree": not whole}
+    if config == "incremental":
+        return Engine(**{**kw, "ssm": None})
+    specs, trees = zip(*(_drafter(part, ssm) for part in config.split("+")))
+    return Engine(**{**kw, "ssm": list(specs)}, tree=list(trees))
+
+
+def fresh(base: dict, args, prompts: list) -> dict:
+    """Per configuration, a fresh engine for every --fresh-prompts consecutive prompts, run one
+    at a time from its first request (the order of configurations rotated per group)."""
+    k = args.fresh_prompts
+    groups = [prompts[i : i + k] for i in range(0, len(prompts) - k + 1, k)]
+    names = list(args.paired)
+    runs = {name: [] for name in names}
+    params = SamplingParams(max_tokens=args.tokens, ignore_eos=True, **(args.sampling or {}))
+    bar = tqdm(total=len(groups) * len(names), desc="fresh engines", unit="engine")
+    for g, group in enumerate(groups):
+        for i in range(len(names)):
+            name = names[(g + i) % len(names)]
+            engine = _engine(base, name, args.ssm)
+            t0 = time.perf_counter()
+            outs = [engine.generate([p], params)[0] for p in group]
+            seconds = time.perf_counter() - t0
+            tokens = sum(len(o.token_ids) for o in outs)
+            steps = sum(o.metrics["steps"] for o in outs)  # decode steps, after prefill
+            runs[name].append({"ms_per_token": 1000 * seconds / tokens,
+                               "tokens_per_step": (tokens - len(outs)) / max(1, steps)})  # fmt: skip
+            del engine
+            bar.update()
+    bar.close()
+    result = {}
+    for name, rows in runs.items():
+        result[name] = row = {key: sum(r[key] for r in rows) / len(rows)
+                              for key in ("ms_per_token", "tokens_per_step")}  # fmt: skip
+        row["worst_tokens_per_step"] = min(r["tokens_per_step"] for r in rows)
+        row["per_engine"] = rows
+        print(f"fresh engines {name}: {row['ms_per_token']:.1f} ms/token with prefill, "
+              f"{row['tokens_per_step']:.2f} tokens/step (worst engine "
+              f"{row['worst_tokens_per_step']:.2f})")  # fmt: skip
+    base_ms = result.get("incremental", {}).get("ms_per_token")
+    for row in result.values():
+        if base_ms:
+            row["speedup_vs_incremental"] = base_ms / row["ms_per_token"]
+    return result
+
+
 def acceptance(base: dict, specs: list[str], prompts: list, tokens: int, depth: int = 3) -> dict:
     """Real decoding (greedy, whole chains of `depth`, each SSM alone): per depth d, the
     fraction of steps whose draft had its first d tokens accepted."""
@@ -428,7 +479,8 @@ def plot(result: dict, plt):
               ("table3_mss_vs_naive", _plot_table3), ("latency", _plot_latency),
               ("trees_batch1", _plot_trees), ("ngrams_batch1", _plot_ngrams),
               ("drafters_batch1", _plot_breakdown), ("target_forward_ms_by_rows", _plot_rows),
-              *((k, _plot_paired) for k in result if k.startswith("paired_batch")))
+              *((k, _plot_paired) for k in result if k.startswith("paired_batch")),
+              ("fresh_engines", _plot_fresh))
               if key in result]  # fmt: skip
     # Bar panels widen with their bars, so labels of many configurations do not overlap.
     widths = [max(5.0, 0.8 * len(result[key])) for key, _ in panels] or [5.0]
@@ -476,6 +528,10 @@ def _plot_paired(ax, rows: dict, result: dict) -> None:
     if "incremental" in rows:
         ax.axhline(rows["incremental"]["ms_per_token"] / 2, linestyle="--", color="gray",
                    label="2x faster than incremental")  # fmt: skip
+
+
+def _plot_fresh(ax, rows: dict, result: dict) -> None:
+    _bars(ax, rows, f"fresh engines, {result.get('fresh_prompts', '')} prompts each (prefill in)")
 
 
 def _bars(ax, rows: dict, title: str) -> None:
