@@ -268,14 +268,16 @@ void kv_write_cpu(const TensorView& k_cache, const TensorView& v_cache, const Te
   check_size(slots, 1, k.shape[1], op, "slots", "tokens of k");
   const int64_t B = k.shape[0], T = k.shape[1], H = k.shape[2], D = k.shape[3];
   const int64_t S = k_cache.shape[2], MB = cache_rows.ndim == 2 ? cache_rows.shape[1] : 1;
-  // Position `slots[b, t]` of request b: row cache_rows[b, pos / S] (or cache_rows[b]), slot pos % S.
+  // Position `slots[b, t]` of request b: row cache_rows[b, pos / S] (or cache_rows[b]), slot pos %
+  // S.
   std::vector<int64_t> rows(B * T), places(B * T);
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t t = 0; t < T; ++t) {
       const int64_t pos = index_value(slots, b * T + t);
       if (pos < 0 || pos >= MB * S) {
-        fail(op, "slot " + std::to_string(pos) + " is outside the positions its cache rows hold [0, " +
-                     std::to_string(MB * S) + ")");
+        fail(op, "slot " + std::to_string(pos) +
+                     " is outside the positions its cache rows hold [0, " + std::to_string(MB * S) +
+                     ")");
       }
       const int64_t row = index_value(cache_rows, b * MB + pos / S);
       if (row < 0 || row >= k_cache.shape[0]) {

@@ -14,8 +14,8 @@ void kv_commit_cpu(const std::vector<TensorView>& caches, const std::vector<KvMo
     for (const KvMove& m : moves) {
       for (int64_t h = 0; h < heads; ++h) {
         const auto at = [&](int64_t row, int64_t slot) {
-          return base + (row * c.strides[0] + h * c.strides[1] + slot * c.strides[2]) *
-                            int64_t(elem);
+          return base +
+                 (row * c.strides[0] + h * c.strides[1] + slot * c.strides[2]) * int64_t(elem);
         };
         std::memmove(at(m.dst_row, m.dst), at(m.src_row, m.src), bytes);
       }

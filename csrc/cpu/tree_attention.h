@@ -146,8 +146,7 @@ SPECINFER_INLINE void attend_block(const TreeAttentionProblem<T>& p, int64_t b, 
   // Pass 1: every score (invisible keys -inf) and each row's maximum.
   for (int64_t k0 = 0; k0 < key_end; k0 += kKeyTile) {
     const int64_t kn = std::min(kKeyTile, key_end - k0);
-    for (int64_t j = 0; j < kn; ++j)
-      load_scaled(key(k0 + j), kv + j * D, D, 1.0f);
+    for (int64_t j = 0; j < kn; ++j) load_scaled(key(k0 + j), kv + j * D, D, 1.0f);
     // Always four keys at a time (past kn: stale rows of the tile, never read), so a key's score
     // does not depend on how many keys the block reads.
     for (int64_t r = 0; r < R; ++r) {
@@ -166,8 +165,7 @@ SPECINFER_INLINE void attend_block(const TreeAttentionProblem<T>& p, int64_t b, 
   // Pass 2: probabilities, their sum and the values, in key order.
   for (int64_t k0 = 0; k0 < key_end; k0 += kKeyTile) {
     const int64_t kn = std::min(kKeyTile, key_end - k0);
-    for (int64_t j = 0; j < kn; ++j)
-      load_scaled(value(k0 + j), kv + j * D, D, 1.0f);
+    for (int64_t j = 0; j < kn; ++j) load_scaled(value(k0 + j), kv + j * D, D, 1.0f);
     for (int64_t r = 0; r < R; ++r) {
       if (m[r] == neg_inf) continue;  // a row that sees nothing
       float* sr = s + r * key_capacity + k0;
