@@ -77,6 +77,11 @@ EXPLORE = (2, 64)  # skipped steps before a stopped drafter drafts again: first,
 SEEDED_DEPTH = 1  # levels a sized SSM drafts for a seeded sampling request
 
 
+def _timing_average(old: float | None, new: float) -> float:
+    """A timing's moving average: `new` weighs SMOOTH against the past (`old`; None: none yet)."""
+    return new if old is None else (1 - SMOOTH) * old + SMOOTH * new
+
+
 class TreeBudget:
     def __init__(self):
         # (drafter, depth, rank among the drafter's children of one parent) -> ...
@@ -289,7 +294,7 @@ class TreeBudget:
             for i in proposed - on_trial:  # a retry's time includes catching up
                 per = draft_s[i] / len(trees)
                 old = self.draft_each.get(i)
-                self.draft_each[i] = per if old is None else (1 - SMOOTH) * old + SMOOTH * per
+                self.draft_each[i] = _timing_average(old, per)
         for i in proposed:
             if i in used:
                 self._idle[i], self._explore[i] = 0, EXPLORE[0]
@@ -376,7 +381,7 @@ class TreeBudget:
         if levels > 0:
             per = seconds / ((levels + 1) * batch)
             old = self.level_s.get(drafter)
-            self.level_s[drafter] = per if old is None else (1 - SMOOTH) * old + SMOOTH * per
+            self.level_s[drafter] = _timing_average(old, per)
 
     def estimate(self, batch: int, width: int) -> float:
         """The target forward's time for `batch` trees padded to `width`, priced by its rows
@@ -438,24 +443,18 @@ class TreeBudget:
         its drafting (None: it drafted nothing). A shape's first forward records its graph, so
         it is not counted, nor the drafting that step (a fresh drafter's first forwards record
         theirs: ten times a step's drafting, which would price a drafter out from the start)."""
-        self.rest = (1 - SMOOTH) * self.rest + SMOOTH * rest_s if self.rest else rest_s
+        self.rest = _timing_average(self.rest or None, rest_s)
         first = (batch, width) not in self._seen
         if draft_s is not None and not first:
             per_request = draft_s / batch
-            self.drafting = (
-                (1 - SMOOTH) * self.drafting + SMOOTH * per_request
-                if self.drafting
-                else per_request
-            )
+            self.drafting = _timing_average(self.drafting or None, per_request)
         if first:
             self._seen.add((batch, width))
             return
         rows = batch * width
         old = self.cost.get(rows)
-        if old is None:
-            self.cost[rows] = target_s
-        else:  # a stall (another process, the OS) must not price a width out for good
-            self.cost[rows] = (1 - SMOOTH) * old + SMOOTH * min(target_s, 2 * old)
+        # A stall (another process, the OS) must not price a width out for good.
+        self.cost[rows] = _timing_average(old, target_s if old is None else min(target_s, 2 * old))
         self._lean_stale_prices(rows)
 
     def _lean_stale_prices(self, timed: int) -> None:
