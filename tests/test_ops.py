@@ -433,7 +433,7 @@ def test_tree_attention_cuda_errors():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 8, 13, 64])
 @pytest.mark.parametrize("n,k", [(576, 576), (192, 576), (7, 33), (1, 1), (13, 100), (37, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_matches_torch(dtype, rows, n, k, with_bias):
@@ -458,7 +458,7 @@ def test_linear_row_does_not_depend_on_the_other_rows(dtype, n, k):
     gen = torch.Generator().manual_seed(n)
     w = torch.randn(n, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype)
-    for rows in (2, 3, 4, 5, 8, 9, 17, 64):
+    for rows in (2, 3, 4, 5, 6, 7, 8, 9, 17, 64):
         x = torch.randn(rows, k, generator=gen).to(dtype)
         out = torch.empty(rows, n, dtype=dtype)
         _C.linear(x, w, bias, out)
