@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import itertools
 import math
 import os
 import subprocess
@@ -186,9 +187,10 @@ def test_tree_attention_row_does_not_depend_on_the_block(dtype, head_dim):
     """A tree node's output equals, bit for bit, that of the node run alone after its ancestors
     (how incremental decoding would compute it): what makes speculation exactly lossless."""
     gen = torch.Generator().manual_seed(head_dim)
-    for tokens in (1, 5, 31, 40):
+    # Long prefixes make even one token's call parallel, its query rows split between threads.
+    for tokens, prefixes in itertools.product((1, 5, 31, 40), ([37, 70], [37, 400])):
         parents = [-1] + [int(torch.randint(-1, i, (1,), generator=gen)) for i in range(1, tokens)]
-        q, k, v, rows, prefix, _ = make_case(gen, 2, tokens, [37, 70], (6, 2), head_dim, dtype)
+        q, k, v, rows, prefix, _ = make_case(gen, 2, tokens, prefixes, (6, 2), head_dim, dtype)
         mask = tree_mask_from_parents(parents).expand(2, tokens, tokens).contiguous()
         block = ops.tree_attention(q, k, v, rows, prefix, mask)
         for i in range(tokens):  # node i alone: its slot is prefix + i, its mask the i + 1 slots

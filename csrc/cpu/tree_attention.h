@@ -1,6 +1,7 @@
-// CPU tree attention: the templated kernel for one work item (request b, KV head h, query tokens
-// [t0, t1)). All the group's query heads are processed together, so each K/V row is loaded once
-// per item and reused for every (token, head) query row.
+// CPU tree attention: the templated kernel for one work item (request b, KV head h, query rows
+// [r0, r1) of its T x group rows: row r is token r / group, query head h * group + r % group).
+// The item's query rows are processed together, so each K/V row is loaded once per item and
+// reused for every one of them.
 //
 // Softmax in two passes over key tiles: scores and each row's maximum, then exp, sum and values
 // accumulated key by key. Unlike an online softmax, nothing depends on where tiles start: a tree
@@ -98,8 +99,8 @@ SPECINFER_INLINE void load_scaled(const T* src, float* dst, int64_t n, float sca
 // kD > 0 fixes head_dim at compile time (fully unrolled inner loops); 0 reads it from p.
 template <typename T, int kD>
 SPECINFER_INLINE void attend_block(const TreeAttentionProblem<T>& p, int64_t b, int64_t h,
-                                   int64_t t0, int64_t t1, int64_t key_capacity, float* scratch) {
-  const int64_t D = kD > 0 ? kD : p.head_dim, G = p.group, R = (t1 - t0) * G;
+                                   int64_t r0, int64_t r1, int64_t key_capacity, float* scratch) {
+  const int64_t D = kD > 0 ? kD : p.head_dim, G = p.group, R = r1 - r0;
   float* q = scratch;                // [R, D], pre-scaled
   float* acc = q + R * D;            // [R, D]
   float* m = acc + R * D;            // [R] maximum score
@@ -108,9 +109,9 @@ SPECINFER_INLINE void attend_block(const TreeAttentionProblem<T>& p, int64_t b, 
   float* kv = s + R * key_capacity;  // [kKeyTile, D] a tile of keys, then of values
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
-  // Row r is (token t0 + r / G, query head h * G + r % G).
+  // Local row r is the item's row r0 + r.
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t t = t0 + r / G, head = h * G + r % G;
+    const int64_t t = (r0 + r) / G, head = h * G + (r0 + r) % G;
     load_scaled(p.q + b * p.q_stride[0] + t * p.q_stride[1] + head * p.q_stride[2], q + r * D, D,
                 p.scale);
     std::fill(acc + r * D, acc + (r + 1) * D, 0.0f);
@@ -123,7 +124,7 @@ SPECINFER_INLINE void attend_block(const TreeAttentionProblem<T>& p, int64_t b, 
   const int64_t n = p.prefix_lens[b] + p.tokens - p.mask_cols;
   const uint8_t* mask = p.mask + b * p.mask_stride[0];
   int64_t last_new = -1;
-  for (int64_t t = t0; t < t1; ++t) {
+  for (int64_t t = r0 / G; t <= (r1 - 1) / G; ++t) {
     for (int64_t j = p.mask_cols - 1; j > last_new; --j) {
       if (mask[t * p.mask_stride[1] + j * p.mask_stride[2]]) {
         last_new = j;
@@ -156,7 +157,7 @@ SPECINFER_INLINE void attend_block(const TreeAttentionProblem<T>& p, int64_t b, 
   }
   for (int64_t r = 0; r < R; ++r) {
     float* sr = s + r * key_capacity;
-    const uint8_t* mrow = mask + (t0 + r / G) * p.mask_stride[1];
+    const uint8_t* mrow = mask + ((r0 + r) / G) * p.mask_stride[1];
     for (int64_t j = n; j < key_end; ++j) {
       if (!mrow[(j - n) * p.mask_stride[2]]) sr[j] = neg_inf;
     }
@@ -180,7 +181,7 @@ SPECINFER_INLINE void attend_block(const TreeAttentionProblem<T>& p, int64_t b, 
   }
 
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t t = t0 + r / G, head = h * G + r % G;
+    const int64_t t = (r0 + r) / G, head = h * G + (r0 + r) % G;
     T* o = p.out + b * p.out_stride[0] + t * p.out_stride[1] + head * p.out_stride[2];
     const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;  // a row that saw nothing gets zeros
     const float* ar = acc + r * D;
