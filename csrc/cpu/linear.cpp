@@ -22,8 +22,9 @@ namespace specinfer {
 namespace cpu {
 namespace {
 
-// Up to this many x rows the weight is streamed one row at a time (see run_avx2, run_tiles).
-constexpr int kStreamMaxRows = 8;
+// Up to this many x rows the weight is streamed one row at a time: by the AVX2 kernel (run_avx2),
+// and by the tiles (run_tiles).
+constexpr int kStreamMaxRows = 8, kTileStreamMaxRows = 3;
 
 // Calls tile(m0, mb) over rows [0, M) in tiles of at most max_mb rows, of nearly equal size (5 rows
 // at most 4 as 3 + 2, not 4 + 1), so no tile is left with a single row.
@@ -68,19 +69,16 @@ SPECINFER_TARGET(SPECINFER_AVX512) inline float hsum512(__m512 v) {
 
 // The AVX-512 tiles below keep their MB x NB accumulators in registers only because their loops
 // over MB and NB are unrolled first (SPECINFER_UNROLL): GCC 12 otherwise kept a stack copy of the
-// array, stored every iteration, which made 2 rows cost 5x one. With NB > 1 they prefetch the
-// next block's rows: NB interleaved streams, which the hardware prefetches badly from DRAM (the
-// 49152 x 576 LM head at 2 rows: 7.7 ms without both, 1.3 ms with; 1 row 1.0 ms). A prefetch
-// never faults, so the one past the last block needs no guard.
-SPECINFER_INLINE void prefetch(const void* p) {
-  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
-}
-
-// A streamed weight row (NB == 1) asks for the row kStreamAhead rows on, into L2: the hardware
-// prefetcher alone kept too few lines in flight, so with more x rows to multiply, the loads of
-// the weight stopped overlapping the arithmetic. Measured (bf16, 2 threads, the 30 layers and LM
-// head of SmolLM2-135M from DRAM): 4 rows 17.2 -> 10.6 ms, 8 rows 17.7 -> 13.0 (1 row 10.4 both).
-constexpr int kStreamAhead = 4;
+// array, stored every iteration, which made 2 rows cost 5x one.
+//
+// They prefetch the weight into L2 ahead of use, since the hardware prefetcher alone keeps too
+// few lines in flight for the loads to overlap the arithmetic: a streamed row (NB == 1) the row
+// kStreamAhead rows on, a block of NB rows (NB interleaved streams, which it prefetches worse
+// still) the block kBlocksAhead blocks on. A prefetch never faults, so the ones past the end
+// need no guard. Measured (bf16, 2 threads, the 30 layers and LM head of SmolLM2-135M from DRAM):
+// streamed 4 rows 17.2 -> 10.6 ms (1 row 10.4 both); in blocks, with the block one on
+// prefetched into L1 as before, 4/8/16 rows 13.6/14.0/18.4 ms -> 8.4/9.6/15.7.
+constexpr int kStreamAhead = 4, kBlocksAhead = 2;
 SPECINFER_INLINE void prefetch_l2(const void* p) {
   _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1);
 }
@@ -183,7 +181,7 @@ struct TileBf16Avx512 {
       __m512i wv[NB];
       SPECINFER_UNROLL for (int j = 0; j < NB; ++j) {
         wv[j] = _mm512_maskz_loadu_epi16(mask, w + j * p.w_stride + k);
-        if (NB > 1) prefetch(w + (NB + j) * p.w_stride + k);
+        if (NB > 1) prefetch_l2(w + (kBlocksAhead * NB + j) * p.w_stride + k);
       }
       if (NB == 1) prefetch_l2(w + kStreamAhead * p.w_stride + k);
       SPECINFER_UNROLL for (int i = 0; i < MB; ++i) {
@@ -212,7 +210,7 @@ struct TileF32Avx512 {
       __m512 wv[NB];
       SPECINFER_UNROLL for (int j = 0; j < NB; ++j) {
         wv[j] = _mm512_maskz_loadu_ps(mask, w + j * p.w_stride + k);
-        if (NB > 1) prefetch(w + (NB + j) * p.w_stride + k);
+        if (NB > 1) prefetch_l2(w + (kBlocksAhead * NB + j) * p.w_stride + k);
       }
       if (NB == 1) prefetch_l2(w + kStreamAhead * p.w_stride + k);
       SPECINFER_UNROLL for (int i = 0; i < MB; ++i) {
@@ -424,35 +422,34 @@ void tile_f32_avx512(const LinearProblem& p, int64_t m0, int64_t n0, int mb, int
 
 #endif  // SPECINFER_HAVE_X86
 
-// A tile function and the most x rows it takes at once: against a block of 4 weight rows, and
-// against one streamed weight row (each x row its own accumulator chain, so more rows hide the
-// latency of the chains; measured with AVX-512: 6 rows in one tile 11.3 ms, as 3 + 3 12.4).
+// A tile function and the most x rows it takes at once.
 struct LinearKernel {
   LinearTileFn tile;
   int max_rows;
-  int max_stream_rows;
 };
 
 LinearKernel select_tile_kernel(DType dtype) {
 #ifdef SPECINFER_HAVE_X86
-  if (dtype == DType::kBFloat16 && has_avx512_bf16()) return {tile_bf16_avx512bf16, 4, 8};
-  if (dtype == DType::kFloat32 && has_avx512()) return {tile_f32_avx512, 4, 8};
+  if (dtype == DType::kBFloat16 && has_avx512_bf16()) return {tile_bf16_avx512bf16, 4};
+  if (dtype == DType::kFloat32 && has_avx512()) return {tile_f32_avx512, 4};
 #endif
-  if (dtype == DType::kBFloat16) return {tile_portable<bf16>, 4, 4};
-  return {tile_portable<float>, 4, 4};
+  if (dtype == DType::kBFloat16) return {tile_portable<bf16>, 4};
+  return {tile_portable<float>, 4};
 }
 
 void run_tiles(const LinearProblem& p, LinearKernel kernel, bool parallel) {
-  // Up to kStreamMaxRows x rows (decode, small trees) walk the weight rows one after another,
-  // each met by every x row while it is in L1: one sequential stream. More rows share each
-  // loaded block of 4 weight rows. Measured (bf16 AVX-512, 1 thread, 49152 x 576 from DRAM):
-  // 2 rows in blocks of 4 cost 2.2x one row; streamed, 1.1x.
-  const bool stream = p.M <= kStreamMaxRows;
+  // Up to kTileStreamMaxRows x rows (decode, the smallest trees) walk the weight rows one after
+  // another, each met by every x row while it is in L1: one sequential stream. More rows share
+  // each loaded block of 4 weight rows: 4 accumulator chains per x row instead of 1, which also
+  // makes weights already in cache (a draft model's, level after level) faster to go through.
+  // Measured (bf16 AVX-512, 2 threads, SmolLM2-135M's 30 layers and LM head from DRAM / a
+  // 2-layer draft head's weights in cache), 2 and 3 rows: streamed 8.3/0.37 and 8.4/0.40 ms, in
+  // blocks 8.8/0.28 and 8.8/0.28; 4 rows 8.8/0.44 streamed, 8.4/0.32 in blocks.
+  const bool stream = p.M <= kTileStreamMaxRows;
   const int nb = stream ? 16 : 4;
   const int64_t blocks = (p.N + nb - 1) / nb;
-  const int max_mb = stream ? kernel.max_stream_rows : kernel.max_rows;
   auto row_tiles = [&](int64_t n, int width) {
-    for_each_row_tile(p.M, max_mb,
+    for_each_row_tile(p.M, kernel.max_rows,
                       [&](int64_t m0, int64_t mb) { kernel.tile(p, m0, n, int(mb), width); });
   };
 #pragma omp parallel for schedule(static) if (parallel)

@@ -44,8 +44,7 @@ SPECINFER_INLINE void linear_tile_portable(const LinearProblem& p, int64_t m0, i
   }
 }
 
-// Calls Tile<MB, NB>::run for runtime mb in 1..4 and nb in {1, 4}, mb in 5..8 with nb == 1 (the
-// AVX-512 kernels' streamed rows), or any nb when mb == 1.
+// Calls Tile<MB, NB>::run for runtime mb in 1..4 and nb in {1, 4} (or any nb when mb == 1).
 // A single x row walks the weight rows one after another: one sequential stream, which the
 // hardware prefetches best, instead of nb interleaved ones.
 template <template <int, int> class Tile>
@@ -62,14 +61,6 @@ SPECINFER_INLINE void dispatch_tile(const LinearProblem& p, int64_t m0, int64_t 
       return Tile<3, 1>::run(p, m0, n0);
     case 41:
       return Tile<4, 1>::run(p, m0, n0);
-    case 51:
-      return Tile<5, 1>::run(p, m0, n0);
-    case 61:
-      return Tile<6, 1>::run(p, m0, n0);
-    case 71:
-      return Tile<7, 1>::run(p, m0, n0);
-    case 81:
-      return Tile<8, 1>::run(p, m0, n0);
     case 24:
       return Tile<2, 4>::run(p, m0, n0);
     case 34:
