@@ -52,6 +52,7 @@ Seeded sampling requests draft SEEDED_DEPTH levels: a fixed shape, whatever the 
 
 from __future__ import annotations
 
+import bisect
 from itertools import accumulate
 
 from specinfer.sampling import SamplingParams
@@ -89,6 +90,7 @@ class TreeBudget:
         self.accepted: dict[tuple[int, int, int], float] = {}  # ... and the node too
         self._rates: dict[tuple[int, int, int], float] = {}  # rate()'s answers since then
         self.cost: dict[int, float] = {}  # rows (batch x width) -> target forward seconds
+        self._sorted_rows: tuple = (None, 0, [])  # (the cost dict, its size, its keys sorted)
         self._seen: set[tuple[int, int]] = set()  # shapes timed once (that run recorded a graph)
         self.rest = 0.0  # seconds a step spends outside the target forward and the drafting
         self.drafting = 0.0  # seconds per request a step that drafts spends drafting
@@ -396,8 +398,9 @@ class TreeBudget:
         rows = batch * width
         if rows in self.cost:
             return self.cost[rows]
-        below = sorted(r for r in self.cost if r < rows)
-        above = sorted(r for r in self.cost if r > rows)
+        timed = self._timed_rows()
+        split = bisect.bisect(timed, rows)
+        below, above = timed[:split], timed[split:]
         if below and above:
             lo, hi = below[-1], above[0]
             return self.cost[lo] + (self.cost[hi] - self.cost[lo]) * (rows - lo) / (hi - lo)
@@ -408,6 +411,15 @@ class TreeBudget:
             return self.cost[hi] + slope * (rows - hi)
         bounds = [self.cost[r] for r in below] + [self.cost[r] * rows / r for r in above]
         return max(bounds, default=0.0)
+
+    def _timed_rows(self) -> list[int]:
+        """The timed row counts in order (estimate runs ~100 times a step: sorted once per new
+        count; counts are never removed, and the dict is held so a new one is noticed)."""
+        cost, count, timed = self._sorted_rows
+        if cost is not self.cost or count != len(self.cost):
+            timed = sorted(self.cost)
+            self._sorted_rows = (self.cost, len(self.cost), timed)
+        return timed
 
     def observe(self, trees: list[TokenTree], paths: list[list[int]],
                 next_tokens: list[int] | None = None) -> None:  # fmt: skip
