@@ -9,12 +9,7 @@
 #include "ops.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
-// GCC 12's AVX-512 headers trip -Wuninitialized on their own __Y temporaries (GCC PR 105593).
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#pragma GCC diagnostic pop
+#include "cpu/avx512.h"
 #define SPECINFER_HAVE_X86 1
 #endif
 
@@ -105,18 +100,6 @@ SPECINFER_TARGET(SPECINFER_AVX512) inline __m512 hsum512x16(const __m512 (&v)[16
   }
   return _mm512_add_ps(_mm512_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(2, 0, 2, 0)),
                        _mm512_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// from_float<bf16> on 16 lanes: round to nearest even, NaN stays NaN.
-SPECINFER_TARGET(SPECINFER_AVX512) inline __m256i to_bf16x16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                _mm512_set1_epi32(0x7f800000));
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i rounded =
-      _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
 }
 
 // 16 lanes into out[16] as from_float<T> converts them.
@@ -468,6 +451,7 @@ void run(const LinearProblem& p, DType dtype) {
   // bf16 is 20 us on one thread, 31 us on two); more rows mean more work per byte.
   const int64_t elem_size = dtype == DType::kFloat32 ? 4 : 2;
   const bool parallel = p.N * p.K * std::max(p.M, elem_size) >= (int64_t(1) << 19);
+  if (dtype == DType::kBFloat16 && run_linear_amx(p, parallel)) return;
 #ifdef SPECINFER_HAVE_X86
   const bool avx512 = dtype == DType::kBFloat16 ? has_avx512_bf16() : has_avx512();
   if (!avx512 && has_avx2_fma()) {

@@ -70,4 +70,8 @@ SPECINFER_INLINE void dispatch_tile(const LinearProblem& p, int64_t m0, int64_t 
   }
 }
 
+// bf16 on AMX tiles (linear_amx.cpp) when the CPU has them and K is a multiple of 32, for any M
+// (so a row's result never depends on the row count); false, having done nothing, otherwise.
+bool run_linear_amx(const LinearProblem& p, bool parallel);
+
 }  // namespace specinfer::cpu

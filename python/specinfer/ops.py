@@ -15,10 +15,10 @@ try:
 except ImportError:  # pragma: no cover - only when the extension was not built
     _C = None
 
-# SPECINFER_CPU_ISA=avx2 or =portable runs the CPU kernels of that family even where the CPU has
-# better ones (to test or measure them); "native" or unset, the best the CPU has. `_C.cpu_isa()`
-# says which family runs.
-CPU_ISAS = ("native", "avx2", "portable")
+# SPECINFER_CPU_ISA=avx512 (no AMX), =avx2 or =portable runs the CPU kernels of that family even
+# where the CPU has better ones (to test or measure them); "native" or unset, the best the CPU
+# has. `_C.cpu_isa()` says which family runs.
+CPU_ISAS = ("native", "avx512", "avx2", "portable")
 if os.environ.get("SPECINFER_CPU_ISA", "native") not in CPU_ISAS:
     raise ValueError(
         f"SPECINFER_CPU_ISA={os.environ['SPECINFER_CPU_ISA']!r}: expected one of {CPU_ISAS}"

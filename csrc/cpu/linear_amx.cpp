@@ -1,0 +1,225 @@
+// bf16 linear on AMX tiles (Intel Xeon from Sapphire Rapids on): one TDPBF16PS multiplies a
+// 16 x 32 block of weight rows by 32 x 16 of x (16 rows) in ~16 cycles, where AVX512-BF16 needs 32
+// instructions, so a tree of 16-64 nodes costs little more than one token.
+//
+// The product is computed transposed, y^T = w x^T: the weight is the A operand, whose tile rows
+// are plain rows of w (no repacking), and x, small, is packed once per call into B tiles (pairs
+// of columns interleaved, as TDPBF16PS reads them). Each output is one accumulator chain over k in
+// order, whatever the other rows of the tile hold: a row's result does not depend on the rows that
+// share the call, as speculation needs (every row count takes this path, one row included).
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "cpu/cpu_features.h"
+#include "cpu/linear.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include "cpu/avx512.h"
+#define SPECINFER_HAVE_AMX 1
+#define SPECINFER_AMX SPECINFER_AVX512 ",amx-tile,amx-bf16"
+#endif
+
+namespace specinfer::cpu {
+
+#ifdef SPECINFER_HAVE_AMX
+namespace {
+
+constexpr int kTile = 16;                   // tile rows, and fp32 or bf16-pair columns
+constexpr int kTileK = 32;                  // bf16 per tile row (64 bytes)
+constexpr int kTileFloats = kTile * kTile;  // one accumulator tile, also one packed x tile
+constexpr int kBlockRows = 32;              // weight rows per block: two A tiles share each x tile
+
+// Tiles 0-3 accumulate (2 weight tiles x 2 x tiles), 4-5 hold weight rows, 6-7 hold x. Kept in
+// memory (static): GCC 12 dropped the stores into a local config, as if ldtilecfg did not read it.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+SPECINFER_TARGET(SPECINFER_AMX) void load_tile_config() {
+  static const TileConfig config = [] {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) {
+      c.colsb[t] = 64;
+      c.rows[t] = kTile;
+    }
+    return c;
+  }();
+  _tile_loadconfig(&config);
+}
+
+SPECINFER_TARGET(SPECINFER_AMX) void release_tiles() { _tile_release(); }
+
+// A buffer of at least n elements, 64-byte aligned, owned by the calling thread (one per role).
+template <typename T, int Role>
+T* amx_scratch(int64_t n) {
+  thread_local std::vector<T> buf;
+  if (int64_t(buf.size()) < n + 64) buf.resize(n + 64);
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(buf.data());
+  return reinterpret_cast<T*>((addr + 63) & ~uintptr_t(63));
+}
+
+// x as B tiles, [m_tiles][k_tiles][16][16] bf16 pairs: tile (mt, kb) row r, column c holds
+// x[16 mt + c][32 kb + 2r + {0, 1}] (zeros for rows past M): 16 x 16 pairs transposed.
+SPECINFER_TARGET(SPECINFER_AVX512)
+void pack_x(const LinearProblem& p, uint32_t* packed, int64_t m_tiles, int64_t k_tiles) {
+  const uint16_t* x = static_cast<const uint16_t*>(p.x);
+  for (int64_t mt = 0; mt < m_tiles; ++mt) {
+    const int64_t rows = std::min<int64_t>(kTile, p.M - mt * kTile);
+    for (int64_t kb = 0; kb < k_tiles; ++kb) {
+      __m512i r[kTile];
+      SPECINFER_UNROLL for (int c = 0; c < kTile; ++c) {
+        r[c] = c < rows ? _mm512_loadu_si512(x + (mt * kTile + c) * p.x_stride + kb * kTileK)
+                        : _mm512_setzero_si512();
+      }
+      transpose16x16(r);
+      uint32_t* tile = packed + (mt * k_tiles + kb) * kTileFloats;
+      SPECINFER_UNROLL for (int i = 0; i < kTile; ++i) _mm512_store_si512(tile + i * kTile, r[i]);
+    }
+  }
+}
+
+// A staged block's outputs into y: accumulator tiles [m_tiles][2][16 weight rows][16 x rows]
+// transposed to x rows, the bias added, rounded to bf16 as from_float does.
+SPECINFER_TARGET(SPECINFER_AVX512)
+void write_block(const LinearProblem& p, const float* staged, int64_t n0, int64_t n_rows,
+                 int64_t m_tiles) {
+  bf16* y = static_cast<bf16*>(p.y);
+  for (int t = 0; t * kTile < n_rows; ++t) {
+    const int64_t n = n0 + t * kTile, width = std::min<int64_t>(kTile, n_rows - t * kTile);
+    const __mmask16 columns = __mmask16((1u << width) - 1u);
+    alignas(64) float bias[kTile] = {};
+    for (int64_t j = 0; p.bias != nullptr && j < width; ++j) {
+      bias[j] = to_float(static_cast<const bf16*>(p.bias)[(n + j) * p.bias_stride]);
+    }
+    const __m512 bias_v = _mm512_load_ps(bias);
+    for (int64_t mt = 0; mt < m_tiles; ++mt) {
+      const float* acc = staged + (mt * 2 + t) * kTileFloats;
+      const int64_t rows = std::min<int64_t>(kTile, p.M - mt * kTile);
+      __m512i r[kTile];
+      if (rows == 1) {  // decode: one column, gathered
+        r[0] = _mm512_i32gather_epi32(
+            _mm512_mullo_epi32(
+                _mm512_set1_epi32(kTile),
+                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+            acc, 4);
+      } else {
+        SPECINFER_UNROLL for (int i = 0; i < kTile; ++i) {
+          r[i] = _mm512_load_si512(acc + i * kTile);
+        }
+        transpose16x16(r);
+      }
+      for (int64_t m = 0; m < rows; ++m) {
+        const __m512 v = _mm512_add_ps(_mm512_castsi512_ps(r[m]), bias_v);
+        _mm256_mask_storeu_epi16(y + (mt * kTile + m) * p.y_stride + n, columns, to_bf16x16(v));
+      }
+    }
+  }
+}
+
+// The 32 weight rows at w (w_stride elements apart) against every x row, two x tiles at a time,
+// each weight tile loaded once per pair; the accumulators are stored to `staged`.
+SPECINFER_TARGET(SPECINFER_AMX)
+void run_block(const uint16_t* w, int64_t w_stride, const uint32_t* packed, int64_t m_tiles,
+               int64_t k_tiles, float* staged) {
+  const int64_t w_bytes = w_stride * 2;
+  for (int64_t mt = 0; mt < m_tiles; mt += 2) {
+    const bool two = mt + 1 < m_tiles;
+    const uint32_t* b0 = packed + mt * k_tiles * kTileFloats;
+    const uint32_t* b1 = b0 + k_tiles * kTileFloats;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kb = 0; kb < k_tiles; ++kb) {
+      _tile_loadd(4, w + kb * kTileK, w_bytes);
+      _tile_loadd(5, w + kTile * w_stride + kb * kTileK, w_bytes);
+      _tile_loadd(6, b0 + kb * kTileFloats, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 5, 6);
+      if (two) {
+        _tile_loadd(7, b1 + kb * kTileFloats, 64);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    float* out = staged + mt * 2 * kTileFloats;
+    _tile_stored(0, out, 64);
+    _tile_stored(1, out + kTileFloats, 64);
+    if (two) {
+      _tile_stored(2, out + 2 * kTileFloats, 64);
+      _tile_stored(3, out + 3 * kTileFloats, 64);
+    }
+  }
+}
+
+// A thread's blocks [begin, end). Each block's outputs are written while the next one computes:
+// read back at once, the tile stores would stall the loads.
+void run_blocks(const LinearProblem& p, const uint32_t* packed, int64_t m_tiles, int64_t k_tiles,
+                int64_t begin, int64_t end) {
+  const int64_t stage_floats = (m_tiles + 1) * 2 * kTileFloats;  // x tiles rounded up to pairs
+  float* stages = amx_scratch<float, 0>(2 * stage_floats);
+  const uint16_t* w = static_cast<const uint16_t*>(p.w);
+  int64_t pending = -1;
+  for (int64_t b = begin; b < end; ++b) {
+    const int64_t n0 = b * kBlockRows, n_rows = std::min<int64_t>(kBlockRows, p.N - n0);
+    float* staged = stages + (b % 2) * stage_floats;
+    if (n_rows == kBlockRows) {
+      run_block(w + n0 * p.w_stride, p.w_stride, packed, m_tiles, k_tiles, staged);
+    } else {  // the last, partial block: its rows copied, zero-padded, so no tile reads past w
+      uint16_t* rows = amx_scratch<uint16_t, 1>(kBlockRows * p.K);
+      std::memset(rows, 0, size_t(kBlockRows * p.K) * sizeof(uint16_t));
+      for (int64_t n = 0; n < n_rows; ++n) {
+        std::memcpy(rows + n * p.K, w + (n0 + n) * p.w_stride, size_t(p.K) * sizeof(uint16_t));
+      }
+      run_block(rows, p.K, packed, m_tiles, k_tiles, staged);
+    }
+    if (pending >= 0) {
+      write_block(p, stages + (pending % 2) * stage_floats, pending * kBlockRows,
+                  std::min<int64_t>(kBlockRows, p.N - pending * kBlockRows), m_tiles);
+    }
+    pending = b;
+  }
+  if (pending >= 0) {
+    write_block(p, stages + (pending % 2) * stage_floats, pending * kBlockRows,
+                std::min<int64_t>(kBlockRows, p.N - pending * kBlockRows), m_tiles);
+  }
+}
+
+}  // namespace
+
+bool run_linear_amx(const LinearProblem& p, bool parallel) {
+  if (!has_amx_bf16() || p.K % kTileK != 0) return false;
+  const int64_t m_tiles = (p.M + kTile - 1) / kTile, k_tiles = p.K / kTileK;
+  uint32_t* packed = amx_scratch<uint32_t, 2>(m_tiles * k_tiles * kTileFloats);
+  pack_x(p, packed, m_tiles, k_tiles);
+  const int64_t blocks = (p.N + kBlockRows - 1) / kBlockRows;
+#pragma omp parallel if (parallel)
+  {
+    load_tile_config();
+    // The static schedule's split, by hand: each thread needs its range to overlap its blocks.
+    int threads = 1, thread = 0;
+#ifdef _OPENMP
+    threads = omp_get_num_threads();
+    thread = omp_get_thread_num();
+#endif
+    run_blocks(p, packed, m_tiles, k_tiles, blocks * thread / threads,
+               blocks * (thread + 1) / threads);
+    release_tiles();
+  }
+  return true;
+}
+
+#else
+bool run_linear_amx(const LinearProblem&, bool) { return false; }
+#endif
+
+}  // namespace specinfer::cpu
