@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "core/numeric.h"
 #include "core/tensor_view.h"
@@ -91,25 +92,35 @@ SPECINFER_INLINE void rms_norm_rows(const TensorView& x, const TensorView& w,
   }
 }
 
-// x * cos + rotate_half(x) * sin for every row of x (one head of one token), in place; the tables
-// hold float32 or T.
+// x * cos + rotate_half(x) * sin for every head of every token of x, in place; the tables hold
+// float32 or T. A token's position, table rows (rounded to T, as the reference multiplies by
+// them) and offset are looked up once for all its heads.
 template <typename T, typename C>
-void rotary_rows(const TensorView& x, const TensorView& cos, const TensorView& sin,
-                 const TensorView& positions) {
-  const int64_t rows = rows_of(x), heads = x.shape[x.ndim - 2], half = x.shape[x.ndim - 1] / 2;
-  for (int64_t r = 0; r < rows; ++r) {
-    T* v = x.ptr<T>() + offset_of(x, r, x.ndim - 1);
-    const int64_t pos = index_value(positions, r / heads);
+SPECINFER_INLINE void rotary_rows(const TensorView& x, const TensorView& cos, const TensorView& sin,
+                                  const TensorView& positions) {
+  const int64_t heads = x.shape[x.ndim - 2], head_stride = x.strides[x.ndim - 2];
+  const int64_t tokens = rows_of(x) / heads, dim = x.shape[x.ndim - 1], half = dim / 2;
+  std::vector<float> tables(2 * dim);
+  float* cs = tables.data();
+  float* sn = cs + dim;
+  for (int64_t t = 0; t < tokens; ++t) {
+    T* token = x.ptr<T>() + offset_of(x, t, x.ndim - 2);
+    const int64_t pos = index_value(positions, t);
     const C* c = cos.ptr<const C>() + pos * cos.strides[0];
     const C* s = sin.ptr<const C>() + pos * sin.strides[0];
 #pragma omp simd
-    for (int64_t i = 0; i < half; ++i) {
-      const float a = to_float(v[i]), b = to_float(v[i + half]);
-      // The reference multiplies by cos/sin already cast to the model dtype.
-      const float c1 = round_to<T>(to_float(c[i])), s1 = round_to<T>(to_float(s[i]));
-      const float c2 = round_to<T>(to_float(c[i + half])), s2 = round_to<T>(to_float(s[i + half]));
-      v[i] = from_float<T>(round_to<T>(a * c1) + round_to<T>(-b * s1));
-      v[i + half] = from_float<T>(round_to<T>(b * c2) + round_to<T>(a * s2));
+    for (int64_t i = 0; i < dim; ++i) {
+      cs[i] = round_to<T>(to_float(c[i]));
+      sn[i] = round_to<T>(to_float(s[i]));
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+      T* v = token + h * head_stride;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = to_float(v[i]), b = to_float(v[i + half]);
+        v[i] = from_float<T>(round_to<T>(a * cs[i]) + round_to<T>(-b * sn[i]));
+        v[i + half] = from_float<T>(round_to<T>(b * cs[i + half]) + round_to<T>(a * sn[i + half]));
+      }
     }
   }
 }
@@ -151,10 +162,41 @@ void silu_mul_avx2(const TensorView& x, const TensorView& out) {
   silu_mul_rows<T>(x, out);
 }
 
+// AVX-512 (16 lanes) where the CPU has it: silu's exp and divide are most of a decode layer's
+// elementwise work at tree sizes (bf16, 8/32 rows x 1536: 17/63 -> 10/37 us).
+template <typename T>
+SPECINFER_TARGET(SPECINFER_AVX512 ",prefer-vector-width=512")
+void silu_mul_avx512(const TensorView& x, const TensorView& out) {
+  silu_mul_rows<T>(x, out);
+}
+
 template <typename T>
 void silu_mul_run(const TensorView& x, const TensorView& out) {
+  if (cpu::has_avx512()) return silu_mul_avx512<T>(x, out);
   if (cpu::has_avx2_fma()) return silu_mul_avx2<T>(x, out);
   silu_mul_rows<T>(x, out);
+}
+
+template <typename T, typename C>
+SPECINFER_TARGET(SPECINFER_AVX2)
+void rotary_avx2(const TensorView& x, const TensorView& cos, const TensorView& sin,
+                 const TensorView& positions) {
+  rotary_rows<T, C>(x, cos, sin, positions);
+}
+
+template <typename T, typename C>
+SPECINFER_TARGET(SPECINFER_AVX512 ",prefer-vector-width=512")
+void rotary_avx512(const TensorView& x, const TensorView& cos, const TensorView& sin,
+                   const TensorView& positions) {
+  rotary_rows<T, C>(x, cos, sin, positions);
+}
+
+template <typename T, typename C>
+void rotary_run(const TensorView& x, const TensorView& cos, const TensorView& sin,
+                const TensorView& positions) {
+  if (cpu::has_avx512()) return rotary_avx512<T, C>(x, cos, sin, positions);
+  if (cpu::has_avx2_fma()) return rotary_avx2<T, C>(x, cos, sin, positions);
+  rotary_rows<T, C>(x, cos, sin, positions);
 }
 
 }  // namespace
@@ -218,11 +260,11 @@ void rotary_cpu(const TensorView& q, const TensorView& k, const TensorView& cos,
   }
   for (const TensorView* x : {&q, &k}) {
     if (q.dtype == DType::kFloat32) {
-      rotary_rows<float, float>(*x, cos, sin, positions);
+      rotary_run<float, float>(*x, cos, sin, positions);
     } else if (cos.dtype == DType::kFloat32) {
-      rotary_rows<bf16, float>(*x, cos, sin, positions);
+      rotary_run<bf16, float>(*x, cos, sin, positions);
     } else {
-      rotary_rows<bf16, bf16>(*x, cos, sin, positions);
+      rotary_run<bf16, bf16>(*x, cos, sin, positions);
     }
   }
 }
