@@ -8,6 +8,7 @@
 // order, whatever the other rows of the tile hold: a row's result does not depend on the rows that
 // share the call, as speculation needs (every row count takes this path, one row included).
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <vector>
 
@@ -32,10 +33,13 @@ namespace {
 constexpr int kTile = 16;                   // tile rows, and fp32 or bf16-pair columns
 constexpr int kTileK = 32;                  // bf16 per tile row (64 bytes)
 constexpr int kTileFloats = kTile * kTile;  // one accumulator tile, also one packed x tile
-constexpr int kBlockRows = 32;              // weight rows per block: two A tiles share each x tile
+constexpr int kGatherMaxRows = 4;  // outputs of up to this many x rows are gathered, not transposed
+constexpr int kBlockRows = 32;     // weight rows per block: two A tiles share each x tile
 
-// Tiles 0-3 accumulate (2 weight tiles x 2 x tiles), 4-5 hold weight rows, 6-7 hold x. Kept in
-// memory (static): GCC 12 dropped the stores into a local config, as if ldtilecfg did not read it.
+// Tiles 0-3 accumulate (2 weight tiles x 2 x tiles), 4-5 hold weight rows, 6-7 hold x. An x tile
+// (and so an accumulator) is `width` columns wide: 16, or M when M < 16, so few rows neither pack
+// nor multiply padding (one row reads x as it is). One config per width, kept in memory (static):
+// GCC 12 dropped the stores into a local config, as if ldtilecfg did not read it.
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
   uint8_t start_row = 0;
@@ -44,16 +48,18 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-SPECINFER_TARGET(SPECINFER_AMX) void load_tile_config() {
-  static const TileConfig config = [] {
-    TileConfig c;
-    for (int t = 0; t < 8; ++t) {
-      c.colsb[t] = 64;
-      c.rows[t] = kTile;
+SPECINFER_TARGET(SPECINFER_AMX) void load_tile_config(int width) {
+  static const std::array<TileConfig, kTile + 1> configs = [] {
+    std::array<TileConfig, kTile + 1> all;
+    for (int w = 1; w <= kTile; ++w) {
+      for (int t = 0; t < 8; ++t) {
+        all[w].colsb[t] = uint16_t(t == 4 || t == 5 ? 64 : 4 * w);
+        all[w].rows[t] = kTile;
+      }
     }
-    return c;
+    return all;
   }();
-  _tile_loadconfig(&config);
+  _tile_loadconfig(&configs[width]);
 }
 
 SPECINFER_TARGET(SPECINFER_AMX) void release_tiles() { _tile_release(); }
@@ -67,22 +73,34 @@ T* amx_scratch(int64_t n) {
   return reinterpret_cast<T*>((addr + 63) & ~uintptr_t(63));
 }
 
-// x as B tiles, [m_tiles][k_tiles][16][16] bf16 pairs: tile (mt, kb) row r, column c holds
-// x[16 mt + c][32 kb + 2r + {0, 1}] (zeros for rows past M): 16 x 16 pairs transposed.
+// x packed as B tiles (pack_x).
+struct XTiles {
+  const uint32_t* data;
+  int64_t m_tiles, k_tiles;
+  int width;  // columns (x rows) per tile
+  int64_t tile_dwords() const { return kTile * width; }
+};
+
+// x as B tiles, [m_tiles][k_tiles][16][width] bf16 pairs: tile (mt, kb) row r, column c holds
+// x[width mt + c][32 kb + 2r + {0, 1}] (zeros for rows past M): pairs transposed, 16 x 16 at a
+// time. (One row needs no packing: its tiles are x itself, rows 4 bytes apart.)
 SPECINFER_TARGET(SPECINFER_AVX512)
-void pack_x(const LinearProblem& p, uint32_t* packed, int64_t m_tiles, int64_t k_tiles) {
+void pack_x(const LinearProblem& p, uint32_t* packed, int64_t m_tiles, int64_t k_tiles, int width) {
   const uint16_t* x = static_cast<const uint16_t*>(p.x);
+  const __mmask16 columns = __mmask16((1u << width) - 1u);
   for (int64_t mt = 0; mt < m_tiles; ++mt) {
-    const int64_t rows = std::min<int64_t>(kTile, p.M - mt * kTile);
+    const int64_t rows = std::min<int64_t>(width, p.M - mt * width);
     for (int64_t kb = 0; kb < k_tiles; ++kb) {
       __m512i r[kTile];
       SPECINFER_UNROLL for (int c = 0; c < kTile; ++c) {
-        r[c] = c < rows ? _mm512_loadu_si512(x + (mt * kTile + c) * p.x_stride + kb * kTileK)
+        r[c] = c < rows ? _mm512_loadu_si512(x + (mt * width + c) * p.x_stride + kb * kTileK)
                         : _mm512_setzero_si512();
       }
       transpose16x16(r);
-      uint32_t* tile = packed + (mt * k_tiles + kb) * kTileFloats;
-      SPECINFER_UNROLL for (int i = 0; i < kTile; ++i) _mm512_store_si512(tile + i * kTile, r[i]);
+      uint32_t* tile = packed + (mt * k_tiles + kb) * kTile * width;
+      SPECINFER_UNROLL for (int i = 0; i < kTile; ++i) {
+        _mm512_mask_storeu_epi32(tile + i * width, columns, r[i]);
+      }
     }
   }
 }
@@ -105,12 +123,11 @@ void write_block(const LinearProblem& p, const float* staged, int64_t n0, int64_
       const float* acc = staged + (mt * 2 + t) * kTileFloats;
       const int64_t rows = std::min<int64_t>(kTile, p.M - mt * kTile);
       __m512i r[kTile];
-      if (rows == 1) {  // decode: one column, gathered
-        r[0] = _mm512_i32gather_epi32(
-            _mm512_mullo_epi32(
-                _mm512_set1_epi32(kTile),
-                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
-            acc, 4);
+      if (rows <= kGatherMaxRows) {  // a few columns, each gathered
+        const __m512i column = _mm512_mullo_epi32(
+            _mm512_set1_epi32(kTile),
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+        for (int64_t m = 0; m < rows; ++m) r[m] = _mm512_i32gather_epi32(column, acc + m, 4);
       } else {
         SPECINFER_UNROLL for (int i = 0; i < kTile; ++i) {
           r[i] = _mm512_load_si512(acc + i * kTile);
@@ -128,25 +145,24 @@ void write_block(const LinearProblem& p, const float* staged, int64_t n0, int64_
 // The 32 weight rows at w (w_stride elements apart) against every x row, two x tiles at a time,
 // each weight tile loaded once per pair; the accumulators are stored to `staged`.
 SPECINFER_TARGET(SPECINFER_AMX)
-void run_block(const uint16_t* w, int64_t w_stride, const uint32_t* packed, int64_t m_tiles,
-               int64_t k_tiles, float* staged) {
-  const int64_t w_bytes = w_stride * 2;
-  for (int64_t mt = 0; mt < m_tiles; mt += 2) {
-    const bool two = mt + 1 < m_tiles;
-    const uint32_t* b0 = packed + mt * k_tiles * kTileFloats;
-    const uint32_t* b1 = b0 + k_tiles * kTileFloats;
+void run_block(const uint16_t* w, int64_t w_stride, const XTiles& x, float* staged) {
+  const int64_t w_bytes = w_stride * 2, x_bytes = 4 * x.width, step = x.tile_dwords();
+  for (int64_t mt = 0; mt < x.m_tiles; mt += 2) {
+    const bool two = mt + 1 < x.m_tiles;
+    const uint32_t* b0 = x.data + mt * x.k_tiles * step;
+    const uint32_t* b1 = b0 + x.k_tiles * step;
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    for (int64_t kb = 0; kb < k_tiles; ++kb) {
+    for (int64_t kb = 0; kb < x.k_tiles; ++kb) {
       _tile_loadd(4, w + kb * kTileK, w_bytes);
       _tile_loadd(5, w + kTile * w_stride + kb * kTileK, w_bytes);
-      _tile_loadd(6, b0 + kb * kTileFloats, 64);
+      _tile_loadd(6, b0 + kb * step, x_bytes);
       _tile_dpbf16ps(0, 4, 6);
       _tile_dpbf16ps(1, 5, 6);
       if (two) {
-        _tile_loadd(7, b1 + kb * kTileFloats, 64);
+        _tile_loadd(7, b1 + kb * step, x_bytes);
         _tile_dpbf16ps(2, 4, 7);
         _tile_dpbf16ps(3, 5, 7);
       }
@@ -163,9 +179,8 @@ void run_block(const uint16_t* w, int64_t w_stride, const uint32_t* packed, int6
 
 // A thread's blocks [begin, end). Each block's outputs are written while the next one computes:
 // read back at once, the tile stores would stall the loads.
-void run_blocks(const LinearProblem& p, const uint32_t* packed, int64_t m_tiles, int64_t k_tiles,
-                int64_t begin, int64_t end) {
-  const int64_t stage_floats = (m_tiles + 1) * 2 * kTileFloats;  // x tiles rounded up to pairs
+void run_blocks(const LinearProblem& p, const XTiles& x, int64_t begin, int64_t end) {
+  const int64_t stage_floats = (x.m_tiles + 1) * 2 * kTileFloats;  // x tiles rounded up to pairs
   float* stages = amx_scratch<float, 0>(2 * stage_floats);
   const uint16_t* w = static_cast<const uint16_t*>(p.w);
   int64_t pending = -1;
@@ -173,24 +188,24 @@ void run_blocks(const LinearProblem& p, const uint32_t* packed, int64_t m_tiles,
     const int64_t n0 = b * kBlockRows, n_rows = std::min<int64_t>(kBlockRows, p.N - n0);
     float* staged = stages + (b % 2) * stage_floats;
     if (n_rows == kBlockRows) {
-      run_block(w + n0 * p.w_stride, p.w_stride, packed, m_tiles, k_tiles, staged);
+      run_block(w + n0 * p.w_stride, p.w_stride, x, staged);
     } else {  // the last, partial block: its rows copied, zero-padded, so no tile reads past w
       uint16_t* rows = amx_scratch<uint16_t, 1>(kBlockRows * p.K);
       std::memset(rows, 0, size_t(kBlockRows * p.K) * sizeof(uint16_t));
       for (int64_t n = 0; n < n_rows; ++n) {
         std::memcpy(rows + n * p.K, w + (n0 + n) * p.w_stride, size_t(p.K) * sizeof(uint16_t));
       }
-      run_block(rows, p.K, packed, m_tiles, k_tiles, staged);
+      run_block(rows, p.K, x, staged);
     }
     if (pending >= 0) {
       write_block(p, stages + (pending % 2) * stage_floats, pending * kBlockRows,
-                  std::min<int64_t>(kBlockRows, p.N - pending * kBlockRows), m_tiles);
+                  std::min<int64_t>(kBlockRows, p.N - pending * kBlockRows), x.m_tiles);
     }
     pending = b;
   }
   if (pending >= 0) {
     write_block(p, stages + (pending % 2) * stage_floats, pending * kBlockRows,
-                std::min<int64_t>(kBlockRows, p.N - pending * kBlockRows), m_tiles);
+                std::min<int64_t>(kBlockRows, p.N - pending * kBlockRows), x.m_tiles);
   }
 }
 
@@ -198,21 +213,28 @@ void run_blocks(const LinearProblem& p, const uint32_t* packed, int64_t m_tiles,
 
 bool run_linear_amx(const LinearProblem& p, bool parallel) {
   if (!has_amx_bf16() || p.K % kTileK != 0) return false;
-  const int64_t m_tiles = (p.M + kTile - 1) / kTile, k_tiles = p.K / kTileK;
-  uint32_t* packed = amx_scratch<uint32_t, 2>(m_tiles * k_tiles * kTileFloats);
-  pack_x(p, packed, m_tiles, k_tiles);
+  XTiles x;
+  x.width = int(std::min<int64_t>(kTile, p.M));
+  x.m_tiles = (p.M + kTile - 1) / kTile;
+  x.k_tiles = p.K / kTileK;
+  if (p.M == 1) {
+    x.data = static_cast<const uint32_t*>(p.x);
+  } else {
+    uint32_t* packed = amx_scratch<uint32_t, 2>(x.m_tiles * x.k_tiles * x.tile_dwords());
+    pack_x(p, packed, x.m_tiles, x.k_tiles, x.width);
+    x.data = packed;
+  }
   const int64_t blocks = (p.N + kBlockRows - 1) / kBlockRows;
 #pragma omp parallel if (parallel)
   {
-    load_tile_config();
+    load_tile_config(x.width);
     // The static schedule's split, by hand: each thread needs its range to overlap its blocks.
     int threads = 1, thread = 0;
 #ifdef _OPENMP
     threads = omp_get_num_threads();
     thread = omp_get_thread_num();
 #endif
-    run_blocks(p, packed, m_tiles, k_tiles, blocks * thread / threads,
-               blocks * (thread + 1) / threads);
+    run_blocks(p, x, blocks * thread / threads, blocks * (thread + 1) / threads);
     release_tiles();
   }
   return true;
