@@ -150,8 +150,16 @@ void rms_norm_avx2(const TensorView& x, const TensorView& w, const TensorView* r
 }
 
 template <typename T>
+SPECINFER_TARGET(SPECINFER_AVX512 ",prefer-vector-width=512")
+void rms_norm_avx512(const TensorView& x, const TensorView& w, const TensorView* residual,
+                     const TensorView& out, float eps) {
+  rms_norm_rows<T>(x, w, residual, out, eps);
+}
+
+template <typename T>
 void rms_norm_run(const TensorView& x, const TensorView& w, const TensorView* residual,
                   const TensorView& out, float eps) {
+  if (cpu::has_avx512()) return rms_norm_avx512<T>(x, w, residual, out, eps);
   if (cpu::has_avx2_fma()) return rms_norm_avx2<T>(x, w, residual, out, eps);
   rms_norm_rows<T>(x, w, residual, out, eps);
 }
