@@ -488,6 +488,23 @@ def test_linear_strided_rows_and_ops_wrapper():
     assert wg.grad is not None
 
 
+@pytest.mark.parametrize("rows", [1, 5, 20])
+def test_linear_strided_operands_equal_contiguous(rows):
+    """Rows of x, w and out apart by more than their length (K = 64 takes the AMX path where the
+    CPU has it): the same bits as contiguous copies."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 2, 64, generator=gen).bfloat16()[:, 1]
+    w = torch.randn(70, 96, generator=gen).bfloat16()[:, 16:80]
+    bias = torch.randn(70, 2, generator=gen).bfloat16()[:, 0]
+    out = torch.empty(rows, 90, dtype=torch.bfloat16)[:, 10:80]
+    _C.linear(x, w, bias, out)
+    dense = torch.empty(rows, 70, dtype=torch.bfloat16)
+    _C.linear(x.contiguous(), w.contiguous(), bias.contiguous(), dense)
+    assert torch.equal(out, dense)
+    expected = torch.nn.functional.linear(x.float(), w.float(), bias.float())
+    torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
