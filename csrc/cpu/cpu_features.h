@@ -19,6 +19,8 @@
 
 #define SPECINFER_AVX512 "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"
 #define SPECINFER_AVX2 "avx2,fma,f16c"
+// Elementwise kernels: GCC vectorises AVX-512 targets 256 bits wide unless told otherwise.
+#define SPECINFER_AVX512_WIDE SPECINFER_AVX512 ",prefer-vector-width=512"
 
 namespace specinfer::cpu {
 
@@ -57,13 +59,14 @@ inline bool has_avx512_bf16() {
 #endif
 }
 
-// AMX tiles with bf16 dot products (CPUID leaf 7: EDX bits 22 and 24), which Linux lets a process
+// AMX tiles with bf16 dot products (CPUID leaf 7: EDX bits 22 and 24; every such CPU also has
+// AVX512-BF16, which the amx_bf16 family runs for its other kernels), which Linux lets a process
 // use only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, feature 18).
 inline bool has_amx_bf16() {
 #if defined(__x86_64__) && defined(__GNUC__)
   static const bool yes = [] {
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (isa_cap() < 3 || !has_avx512() || !__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) {
+    if (isa_cap() < 3 || !has_avx512_bf16() || !__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) {
       return false;
     }
     const bool cpu = (edx >> 22 & 1u) && (edx >> 24 & 1u);
@@ -88,7 +91,7 @@ inline bool has_avx2_fma() {
 // The kernel family the CPU ops run: "amx_bf16" (AVX512-BF16 kernels, bf16 linears on AMX),
 // "avx512_bf16", "avx512", "avx2" or "portable".
 inline const char* active_isa() {
-  if (has_amx_bf16() && has_avx512_bf16()) return "amx_bf16";
+  if (has_amx_bf16()) return "amx_bf16";
   if (has_avx512_bf16()) return "avx512_bf16";
   if (has_avx512()) return "avx512";
   if (has_avx2_fma()) return "avx2";

@@ -150,7 +150,7 @@ void rms_norm_avx2(const TensorView& x, const TensorView& w, const TensorView* r
 }
 
 template <typename T>
-SPECINFER_TARGET(SPECINFER_AVX512 ",prefer-vector-width=512")
+SPECINFER_TARGET(SPECINFER_AVX512_WIDE)
 void rms_norm_avx512(const TensorView& x, const TensorView& w, const TensorView* residual,
                      const TensorView& out, float eps) {
   rms_norm_rows<T>(x, w, residual, out, eps);
@@ -173,7 +173,7 @@ void silu_mul_avx2(const TensorView& x, const TensorView& out) {
 // AVX-512 (16 lanes) where the CPU has it: silu's exp and divide are most of a decode layer's
 // elementwise work at tree sizes (bf16, 8/32 rows x 1536: 17/63 -> 10/37 us).
 template <typename T>
-SPECINFER_TARGET(SPECINFER_AVX512 ",prefer-vector-width=512")
+SPECINFER_TARGET(SPECINFER_AVX512_WIDE)
 void silu_mul_avx512(const TensorView& x, const TensorView& out) {
   silu_mul_rows<T>(x, out);
 }
@@ -193,7 +193,7 @@ void rotary_avx2(const TensorView& x, const TensorView& cos, const TensorView& s
 }
 
 template <typename T, typename C>
-SPECINFER_TARGET(SPECINFER_AVX512 ",prefer-vector-width=512")
+SPECINFER_TARGET(SPECINFER_AVX512_WIDE)
 void rotary_avx512(const TensorView& x, const TensorView& cos, const TensorView& sin,
                    const TensorView& positions) {
   rotary_rows<T, C>(x, cos, sin, positions);

@@ -215,16 +215,6 @@ constexpr int64_t kVec = 8;  // floats per ymm register
 
 int64_t padded(int64_t k) { return (k + kVec - 1) / kVec * kVec; }
 
-// A float buffer of at least n elements, 64-byte aligned, owned by the calling thread and reused by
-// its later calls (one per role, so the x rows and a weight panel never share one).
-template <int Role>
-float* thread_scratch(int64_t n) {
-  thread_local std::vector<float> buf;
-  if (int64_t(buf.size()) < n + 16) buf.resize(n + 16);
-  const uintptr_t addr = reinterpret_cast<uintptr_t>(buf.data());
-  return reinterpret_cast<float*>((addr + 63) & ~uintptr_t(63));
-}
-
 SPECINFER_TARGET(SPECINFER_AVX2) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 
 // bf16 -> fp32 is a 16-bit left shift of each widened element.
@@ -363,7 +353,7 @@ void block_tile_avx2(const LinearProblem& p, const float* x, int64_t width, cons
 template <typename T>
 SPECINFER_TARGET(SPECINFER_AVX2)
 void gemm_block_avx2(const LinearProblem& p, const float* x, int64_t width, int64_t block) {
-  float* panel = thread_scratch<1>(kBlockRows * width);
+  float* panel = thread_scratch<float, 1>(kBlockRows * width);
   const int64_t n0 = block * kBlockRows, rows = std::min<int64_t>(kBlockRows, p.N - n0);
   to_float_rows(static_cast<const T*>(p.w) + n0 * p.w_stride, p.w_stride, rows, p.K, panel, width);
   std::fill(panel + rows * width, panel + kBlockRows * width, 0.0f);
@@ -377,7 +367,7 @@ void gemm_block_avx2(const LinearProblem& p, const float* x, int64_t width, int6
 template <typename T>
 void run_avx2(const LinearProblem& p, bool parallel) {
   const int64_t width = padded(p.K);
-  float* x = thread_scratch<0>(p.M * width);
+  float* x = thread_scratch<float, 0>(p.M * width);
   to_float_rows(static_cast<const T*>(p.x), p.x_stride, p.M, p.K, x, width);
   // Both paths sum every output in the order given at kSplit.
   const bool stream = p.M <= kStreamMaxRows;

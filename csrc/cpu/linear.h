@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "core/numeric.h"
 
@@ -17,6 +18,18 @@ struct LinearProblem {
   int64_t x_stride, w_stride, y_stride, bias_stride;
   int64_t M, N, K;
 };
+
+// A buffer of at least n elements, 64-byte aligned, owned by the calling thread and reused by its
+// later calls: one per (type, role), so buffers one call needs at once never share (the AVX2 path
+// takes roles 0-1, AMX 2-4).
+template <typename T, int Role>
+T* thread_scratch(int64_t n) {
+  thread_local std::vector<T> buf;
+  const int64_t pad = 64 / sizeof(T);
+  if (int64_t(buf.size()) < n + pad) buf.resize(n + pad);
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(buf.data());
+  return reinterpret_cast<T*>((addr + 63) & ~uintptr_t(63));
+}
 
 // Computes the mb x nb outputs at (m0, n0); each ISA provides one.
 using LinearTileFn = void (*)(const LinearProblem& p, int64_t m0, int64_t n0, int mb, int nb);

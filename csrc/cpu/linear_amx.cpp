@@ -10,7 +10,6 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
-#include <vector>
 
 #include "cpu/cpu_features.h"
 #include "cpu/linear.h"
@@ -64,15 +63,6 @@ SPECINFER_TARGET(SPECINFER_AMX) void load_tile_config(int width) {
 
 SPECINFER_TARGET(SPECINFER_AMX) void release_tiles() { _tile_release(); }
 
-// A buffer of at least n elements, 64-byte aligned, owned by the calling thread (one per role).
-template <typename T, int Role>
-T* amx_scratch(int64_t n) {
-  thread_local std::vector<T> buf;
-  if (int64_t(buf.size()) < n + 64) buf.resize(n + 64);
-  const uintptr_t addr = reinterpret_cast<uintptr_t>(buf.data());
-  return reinterpret_cast<T*>((addr + 63) & ~uintptr_t(63));
-}
-
 // x packed as B tiles (pack_x).
 struct XTiles {
   const uint32_t* data;
@@ -124,9 +114,8 @@ void write_block(const LinearProblem& p, const float* staged, int64_t n0, int64_
       const int64_t rows = std::min<int64_t>(kTile, p.M - mt * kTile);
       __m512i r[kTile];
       if (rows <= kGatherMaxRows) {  // a few columns, each gathered
-        const __m512i column = _mm512_mullo_epi32(
-            _mm512_set1_epi32(kTile),
-            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+        const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176,
+                                                 192, 208, 224, 240);  // i x kTile
         for (int64_t m = 0; m < rows; ++m) r[m] = _mm512_i32gather_epi32(column, acc + m, 4);
       } else {
         SPECINFER_UNROLL for (int i = 0; i < kTile; ++i) {
@@ -181,32 +170,28 @@ void run_block(const uint16_t* w, int64_t w_stride, const XTiles& x, float* stag
 // read back at once, the tile stores would stall the loads.
 void run_blocks(const LinearProblem& p, const XTiles& x, int64_t begin, int64_t end) {
   const int64_t stage_floats = (x.m_tiles + 1) * 2 * kTileFloats;  // x tiles rounded up to pairs
-  float* stages = amx_scratch<float, 0>(2 * stage_floats);
+  float* stages = thread_scratch<float, 2>(2 * stage_floats);
   const uint16_t* w = static_cast<const uint16_t*>(p.w);
-  int64_t pending = -1;
+  const auto write = [&](int64_t b) {
+    write_block(p, stages + (b % 2) * stage_floats, b * kBlockRows,
+                std::min<int64_t>(kBlockRows, p.N - b * kBlockRows), x.m_tiles);
+  };
   for (int64_t b = begin; b < end; ++b) {
     const int64_t n0 = b * kBlockRows, n_rows = std::min<int64_t>(kBlockRows, p.N - n0);
     float* staged = stages + (b % 2) * stage_floats;
     if (n_rows == kBlockRows) {
       run_block(w + n0 * p.w_stride, p.w_stride, x, staged);
     } else {  // the last, partial block: its rows copied, zero-padded, so no tile reads past w
-      uint16_t* rows = amx_scratch<uint16_t, 1>(kBlockRows * p.K);
+      uint16_t* rows = thread_scratch<uint16_t, 3>(kBlockRows * p.K);
       std::memset(rows, 0, size_t(kBlockRows * p.K) * sizeof(uint16_t));
       for (int64_t n = 0; n < n_rows; ++n) {
         std::memcpy(rows + n * p.K, w + (n0 + n) * p.w_stride, size_t(p.K) * sizeof(uint16_t));
       }
       run_block(rows, p.K, x, staged);
     }
-    if (pending >= 0) {
-      write_block(p, stages + (pending % 2) * stage_floats, pending * kBlockRows,
-                  std::min<int64_t>(kBlockRows, p.N - pending * kBlockRows), x.m_tiles);
-    }
-    pending = b;
+    if (b > begin) write(b - 1);
   }
-  if (pending >= 0) {
-    write_block(p, stages + (pending % 2) * stage_floats, pending * kBlockRows,
-                std::min<int64_t>(kBlockRows, p.N - pending * kBlockRows), x.m_tiles);
-  }
+  if (end > begin) write(end - 1);
 }
 
 }  // namespace
@@ -220,7 +205,7 @@ bool run_linear_amx(const LinearProblem& p, bool parallel) {
   if (p.M == 1) {
     x.data = static_cast<const uint32_t*>(p.x);
   } else {
-    uint32_t* packed = amx_scratch<uint32_t, 2>(x.m_tiles * x.k_tiles * x.tile_dwords());
+    uint32_t* packed = thread_scratch<uint32_t, 4>(x.m_tiles * x.k_tiles * x.tile_dwords());
     pack_x(p, packed, x.m_tiles, x.k_tiles, x.width);
     x.data = packed;
   }
