@@ -5,6 +5,11 @@
 #include "cpu/cpu_features.h"
 #include "ops.h"
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include "cpu/tree_attention_avx512.h"
+#define SPECINFER_HAS_AVX512_TILES 1
+#endif
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -13,14 +18,15 @@ namespace specinfer {
 namespace cpu {
 namespace {
 
-template <typename T>
+// Tiles: the inner loops for the head dims known at compile time (any other runs generic ones).
+template <typename T, typename Tiles = GenericTiles>
 SPECINFER_INLINE void dispatch_head_dim(const TreeAttentionProblem<T>& p, int64_t b, int64_t h,
                                         int64_t r0, int64_t r1, int64_t keys, float* w) {
   switch (p.head_dim) {
     case 64:
-      return attend_block<T, 64>(p, b, h, r0, r1, keys, w);
+      return attend_block<T, 64, Tiles>(p, b, h, r0, r1, keys, w);
     case 128:
-      return attend_block<T, 128>(p, b, h, r0, r1, keys, w);
+      return attend_block<T, 128, Tiles>(p, b, h, r0, r1, keys, w);
     default:
       return attend_block<T, 0>(p, b, h, r0, r1, keys, w);
   }
@@ -32,7 +38,11 @@ template <typename T>
 SPECINFER_TARGET(SPECINFER_AVX512)
 void block_avx512(const TreeAttentionProblem<T>& p, int64_t b, int64_t h, int64_t r0, int64_t r1,
                   int64_t keys, float* w) {
+#ifdef SPECINFER_HAS_AVX512_TILES
+  dispatch_head_dim<T, Avx512Tiles>(p, b, h, r0, r1, keys, w);
+#else
   dispatch_head_dim(p, b, h, r0, r1, keys, w);
+#endif
 }
 
 template <typename T>

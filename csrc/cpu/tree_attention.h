@@ -96,8 +96,38 @@ SPECINFER_INLINE void load_scaled(const T* src, float* dst, int64_t n, float sca
   for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]) * scale;
 }
 
+// The two inner loops of a work item, over one tile of keys (or values) converted to float
+// rows kv [kn, D]: its scores for every query row, and its values weighted by the probabilities.
+// A row's result must not depend on which other rows share the item, or on where its keys sit in
+// a tile (both differ between a tree and incremental decoding): every score, sum and accumulator
+// is computed the same way at every position.
+struct GenericTiles {
+  // s[r * cap + j] = q[r] . kv[j] for j < kn (and up to the next multiple of 4: dot4 writes a
+  // tile's last group of four in full, from stale rows never read).
+  template <int kD>
+  SPECINFER_INLINE static void scores(const float* q, int64_t R, int64_t D, const float* kv,
+                                      int64_t kn, float* s, int64_t cap) {
+    for (int64_t r = 0; r < R; ++r) {
+      for (int64_t j = 0; j < kn; j += 4) dot4(q + r * D, kv + j * D, D, s + r * cap + j);
+    }
+  }
+
+  // acc[r] += sum_j p[r * cap + j] * kv[j] and l[r] += sum_j p[r * cap + j], in key order.
+  template <int kD>
+  SPECINFER_INLINE static void values(const float* p, int64_t R, int64_t D, const float* kv,
+                                      int64_t kn, int64_t cap, float* acc, float* l) {
+    for (int64_t r = 0; r < R; ++r) {
+      const float* pr = p + r * cap;
+      float sum = l[r];
+      for (int64_t j = 0; j < kn; ++j) sum += pr[j];
+      l[r] = sum;
+      accumulate_values<kD>(acc + r * D, pr, kv, kn, D);
+    }
+  }
+};
+
 // kD > 0 fixes head_dim at compile time (fully unrolled inner loops); 0 reads it from p.
-template <typename T, int kD>
+template <typename T, int kD, typename Tiles = GenericTiles>
 SPECINFER_INLINE void attend_block(const TreeAttentionProblem<T>& p, int64_t b, int64_t h,
                                    int64_t r0, int64_t r1, int64_t key_capacity, float* scratch) {
   const int64_t D = kD > 0 ? kD : p.head_dim, G = p.group, R = r1 - r0;
@@ -148,12 +178,7 @@ SPECINFER_INLINE void attend_block(const TreeAttentionProblem<T>& p, int64_t b, 
   for (int64_t k0 = 0; k0 < key_end; k0 += kKeyTile) {
     const int64_t kn = std::min(kKeyTile, key_end - k0);
     for (int64_t j = 0; j < kn; ++j) load_scaled(key(k0 + j), kv + j * D, D, 1.0f);
-    // Always four keys at a time (past kn: stale rows of the tile, never read), so a key's score
-    // does not depend on how many keys the block reads.
-    for (int64_t r = 0; r < R; ++r) {
-      for (int64_t j = 0; j < kn; j += 4)
-        dot4(q + r * D, kv + j * D, D, s + r * key_capacity + k0 + j);
-    }
+    Tiles::template scores<kD>(q, R, D, kv, kn, s + k0, key_capacity);
   }
   for (int64_t r = 0; r < R; ++r) {
     float* sr = s + r * key_capacity;
@@ -161,23 +186,22 @@ SPECINFER_INLINE void attend_block(const TreeAttentionProblem<T>& p, int64_t b, 
     for (int64_t j = n; j < key_end; ++j) {
       if (!mrow[(j - n) * p.mask_stride[2]]) sr[j] = neg_inf;
     }
-    for (int64_t j = 0; j < key_end; ++j) m[r] = std::max(m[r], sr[j]);
+    float mr = neg_inf;
+    for (int64_t j = 0; j < key_end; ++j) mr = std::max(mr, sr[j]);
+    // A row that sees nothing: every probability exp(-inf - 0) = 0, so it gets zeros.
+    m[r] = mr == neg_inf ? 0.0f : mr;
   }
   // Pass 2: probabilities, their sum and the values, in key order.
   for (int64_t k0 = 0; k0 < key_end; k0 += kKeyTile) {
     const int64_t kn = std::min(kKeyTile, key_end - k0);
     for (int64_t j = 0; j < kn; ++j) load_scaled(value(k0 + j), kv + j * D, D, 1.0f);
     for (int64_t r = 0; r < R; ++r) {
-      if (m[r] == neg_inf) continue;  // a row that sees nothing
       float* sr = s + r * key_capacity + k0;
       const float mr = m[r];
 #pragma omp simd
       for (int64_t j = 0; j < kn; ++j) sr[j] = fast_exp(sr[j] - mr);
-      float sum = l[r];
-      for (int64_t j = 0; j < kn; ++j) sum += sr[j];
-      l[r] = sum;
-      accumulate_values<kD>(acc + r * D, sr, kv, kn, D);
     }
+    Tiles::template values<kD>(s + k0, R, D, kv, kn, key_capacity, acc, l);
   }
 
   for (int64_t r = 0; r < R; ++r) {
