@@ -186,8 +186,9 @@ SPECINFER_INLINE void attend_block(const TreeAttentionProblem<T>& p, int64_t b, 
     for (int64_t j = n; j < key_end; ++j) {
       if (!mrow[(j - n) * p.mask_stride[2]]) sr[j] = neg_inf;
     }
-    float mr = neg_inf;
-    for (int64_t j = 0; j < key_end; ++j) mr = std::max(mr, sr[j]);
+    float mr = neg_inf;  // (a maximum is the same in any order, so lanes may take parts)
+#pragma omp simd reduction(max : mr)
+    for (int64_t j = 0; j < key_end; ++j) mr = sr[j] > mr ? sr[j] : mr;
     // A row that sees nothing: every probability exp(-inf - 0) = 0, so it gets zeros.
     m[r] = mr == neg_inf ? 0.0f : mr;
   }
