@@ -53,4 +53,44 @@ SPECINFER_TARGET(SPECINFER_AVX512) inline void transpose16x16(__m512i (&r)[16]) 
   }
 }
 
+// Adds two vectors lane by lane: floats, or int32 lanes through their bits (for hsum512x16).
+struct AddFloats {
+  SPECINFER_TARGET(SPECINFER_AVX512) __m512 operator()(__m512 a, __m512 b) const {
+    return _mm512_add_ps(a, b);
+  }
+};
+struct AddInt32s {
+  SPECINFER_TARGET(SPECINFER_AVX512) __m512 operator()(__m512 a, __m512 b) const {
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+  }
+};
+
+// The 16 lanes of each of 16 vectors summed, all at once: lane 4c + r of the result is the sum of
+// v[4r + c]'s, and every lane is summed in the same order (pairs of lanes l and l + 8, then
+// l + 4, l + 2, l + 1), so a sum does not depend on its place. 30 shuffles and 15 adds instead
+// of 16 x 8 ops. (Int32 lanes: hsum512x16<AddInt32s> on their bits.)
+template <typename Add = AddFloats>
+SPECINFER_TARGET(SPECINFER_AVX512)
+inline __m512 hsum512x16(const __m512 (&v)[16]) {
+  const Add add;
+  __m512 halves[8], quarters[4], pairs[2];
+  SPECINFER_UNROLL for (int a = 0; a < 8; ++a) {
+    const __m512 x = v[2 * a], y = v[2 * a + 1];
+    halves[a] = add(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(1, 0, 1, 0)),
+                    _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  SPECINFER_UNROLL for (int b = 0; b < 4; ++b) {
+    const __m512 x = halves[2 * b], y = halves[2 * b + 1];
+    quarters[b] = add(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                      _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  SPECINFER_UNROLL for (int c = 0; c < 2; ++c) {
+    const __m512 x = quarters[2 * c], y = quarters[2 * c + 1];
+    pairs[c] = add(_mm512_shuffle_ps(x, y, _MM_SHUFFLE(1, 0, 1, 0)),
+                   _mm512_shuffle_ps(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  return add(_mm512_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(2, 0, 2, 0)),
+             _mm512_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 }  // namespace specinfer::cpu

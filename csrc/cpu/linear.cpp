@@ -78,30 +78,6 @@ SPECINFER_INLINE void prefetch_l2(const void* p) {
   _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1);
 }
 
-// hsum512 of 16 vectors at once, each summed in hsum512's order (pairs of lanes l and l + 8, then
-// l + 4, l + 2, l + 1), so a tile's outputs equal, bit for bit, a single row's: lane 4c + r of the
-// result is the sum of v[4r + c]. 30 shuffles and 15 adds instead of 16 x 8 ops.
-SPECINFER_TARGET(SPECINFER_AVX512) inline __m512 hsum512x16(const __m512 (&v)[16]) {
-  __m512 halves[8], quarters[4], pairs[2];
-  SPECINFER_UNROLL for (int a = 0; a < 8; ++a) {
-    const __m512 x = v[2 * a], y = v[2 * a + 1];
-    halves[a] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(1, 0, 1, 0)),
-                              _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
-  }
-  SPECINFER_UNROLL for (int b = 0; b < 4; ++b) {
-    const __m512 x = halves[2 * b], y = halves[2 * b + 1];
-    quarters[b] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
-                                _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
-  }
-  SPECINFER_UNROLL for (int c = 0; c < 2; ++c) {
-    const __m512 x = quarters[2 * c], y = quarters[2 * c + 1];
-    pairs[c] = _mm512_add_ps(_mm512_shuffle_ps(x, y, _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
-  }
-  return _mm512_add_ps(_mm512_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 // 16 lanes into out[16] as from_float<T> converts them.
 SPECINFER_TARGET(SPECINFER_AVX512) inline void store16(float* out, __m512 v) {
   _mm512_storeu_ps(out, v);
