@@ -36,7 +36,9 @@
   "feature:PATH+ngram". Each configuration's drafters report their accepted tokens and
   milliseconds a step (per_ssm). Speculative ones cut their
   trees to what pays (the engine's default, budget.TreeBudget) unless prefixed "whole:"
-  ("whole:1,1+ngram" verifies every drafted node). The other sections verify whole trees: they
+  ("whole:1,1+ngram" verifies every drafted node); prefixed "fp:", their SSMs draft with their
+  weights as loaded instead of 8-bit copies (the engine's ssm_int8, default on the CPU), e.g.
+  "fp:feature+ngram" next to "feature+ngram". The other sections verify whole trees: they
   measure the shapes they are given.
 The prompts are real text nobody here wrote (openings of standard-library docstrings) unless
 --prompts-file gives others; --chat sends each as a user message through the chat template, as
@@ -401,7 +403,9 @@ def _engine(base: dict, name: str, ssm: str) -> Engine:
     """The engine of a paired configuration (see the module docstring)."""
     whole = name.startswith("whole:")
     config = name.removeprefix("whole:")
-    kw = {**base, "adaptive_tree": not whole}
+    full_precision = config.startswith("fp:")
+    config = config.removeprefix("fp:")
+    kw = {**base, "adaptive_tree": not whole, **({"ssm_int8": False} if full_precision else {})}
     if config == "incremental":
         return Engine(**{**kw, "ssm": None})
     specs, trees = zip(*(_drafter(part, ssm) for part in config.split("+")))

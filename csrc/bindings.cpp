@@ -151,6 +151,20 @@ void linear(py::handle x, py::handle weight, py::handle bias, py::handle out) {
                });
 }
 
+void linear_int8(py::handle x, py::handle weight, py::handle scale, py::handle bias,
+                 py::handle out) {
+  const std::string op = "linear_int8";
+  Borrowed bx = borrow(x, op, "x"), bw = borrow(weight, op, "weight"),
+           bs = borrow(scale, op, "scale"), bout = borrow(out, op, "out");
+  Borrowed bbias;
+  const bool has_bias = !bias.is_none();
+  if (has_bias) bbias = borrow(bias, op, "bias");
+  OpGraph::run({&bx, &bw, &bs, &bout, &bbias},
+               [x = bx.view, w = bw.view, s = bs.view, b = bbias.view, out = bout.view, has_bias] {
+                 linear_int8_cpu(x, w, s, has_bias ? &b : nullptr, out);
+               });
+}
+
 std::vector<std::string> backends() {
 #ifdef SPECINFER_WITH_CUDA
   return {"cpu", "cuda"};
@@ -306,6 +320,10 @@ PYBIND11_MODULE(_C, m) {
         "the host check of cache_rows and prefix_lens on CUDA (no copy, no wait).");
   m.def("linear", &linear, py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"),
         "out = x @ weight.T + bias on cpu (bias may be None); float32 or bfloat16.");
+  m.def("linear_int8", &linear_int8, py::arg("x"), py::arg("weight"), py::arg("scale"),
+        py::arg("bias"), py::arg("out"),
+        "out = (x @ weight.T) * scale + bias on cpu: int8 weight, float32 scale per output "
+        "feature, x/bias/out float32 or bfloat16 (bias may be None).");
   py::class_<OpGraph>(m, "OpGraph",
                       "Records the compiled cpu ops run between begin() and end(); replay() runs "
                       "them again on the same tensors (current contents) in one call. See "

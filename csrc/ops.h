@@ -15,6 +15,15 @@ void tree_attention_cpu(const TreeAttentionArgs& args);
 void linear_cpu(const TensorView& x, const TensorView& weight, const TensorView* bias,
                 const TensorView& out);
 
+// The size and layout checks both linears share (after their ndim, device and dtype checks).
+void check_linear_sizes(const std::string& op, const TensorView& x, const TensorView& weight,
+                        const TensorView* bias, const TensorView& out);
+
+// The same with int8 weights, each output row scaled: out[m, n] = scale[n] * (x[m] . weight[n])
+// (+ bias[n]); x, bias and out float32 or bfloat16, scale float32.
+void linear_int8_cpu(const TensorView& x, const TensorView& weight, const TensorView& scale,
+                     const TensorView* bias, const TensorView& out);
+
 #ifdef SPECINFER_WITH_CUDA
 // stream: a cudaStream_t as an integer (0 = the legacy default stream).
 void tree_attention_cuda(const TreeAttentionArgs& args, uintptr_t stream);

@@ -306,6 +306,33 @@ def test_teacher_data_from_before_feature_layers_still_resumes(tmp_path, tiny_tr
                           TeacherSettings(**{**vars(settings), "feature_layers": [1]}), tmp_path)  # fmt: skip
 
 
+def test_drafters_draft_through_8_bit_copies_of_their_own_weights(tiny_pair, head_dir):  # noqa: F811
+    """On the CPU model SSMs draft through int8 codes of their projections (ssm_int8, on by
+    default there; test_greedy_feature_head_equals_incremental runs them): not the head's fc,
+    whose input is raw hidden states, nor a layer-selected SSM's layers, which are the target's."""
+    from specinfer.layers import Projection
+
+    def coded(model) -> set[str]:
+        return {
+            n for n, m in model.named_modules() if isinstance(m, Projection) and m.codes is not None
+        }
+
+    engine = Engine(tiny_pair[0], dtype="float32", ssm=[str(head_dir), tiny_pair[1], "layers:1"])
+    head, ssm, layers = engine.drafter.ssms
+    assert coded(head.model) and head.model.fc.codes is None
+    assert coded(ssm.model) == {
+        n for n, m in ssm.model.named_modules() if isinstance(m, Projection)
+    }
+    assert not coded(layers.model) and not coded(engine.model)
+    assert ssm.head_codes is not None or ssm.head_weight is None
+    with pytest.raises(ValueError, match="shares the target's layers"):
+        layers.quantize_int8()
+    off = Engine(tiny_pair[0], dtype="float32", ssm=str(head_dir), ssm_int8=False)
+    assert not coded(off.drafter.ssms[0].model)
+    with pytest.raises(ValueError, match="ssm_int8 must be True, False or None"):
+        Engine(tiny_pair[0], ssm=str(head_dir), ssm_int8="yes")
+
+
 def test_feature_head_errors(tiny_pair, head_dir):  # noqa: F811
     with pytest.raises(ValueError, match="not a feature head"):
         Engine(tiny_pair[0], ssm=f"feature:{tiny_pair[1]}")

@@ -581,6 +581,64 @@ def test_ops_linear_dispatch(monkeypatch):
     assert not calls
 
 
+def int8_case(gen, rows, n, k, dtype, with_bias):
+    w = torch.randn(n, k, generator=gen)
+    w[0] = 0.0  # an all-zero row: its scale must not divide by zero
+    x = torch.randn(rows, k, generator=gen) * torch.rand(rows, 1, generator=gen) * 4
+    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+    return x.to(dtype), *ops.quantize_int8(w), bias, w
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "k"), [(1, 576), (4, 576), (17, 1536), (33, 128), (3, 40),
+                                          (5, 130), (1, 7)])  # fmt: skip
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_int8_equals_its_reference(dtype, rows, k, with_bias):
+    """Integer dot products are exact, so the kernel (AMX tiles when K is a multiple of 64, else
+    VNNI or vectorised loops) gives the reference's bits, and stays close to the float product."""
+    gen = torch.Generator().manual_seed(rows * k)
+    x, codes, scale, bias, w = int8_case(gen, rows, 301, k, dtype, with_bias)
+    assert codes.dtype == torch.uint8 and int(codes.min()) >= 1 and scale[0] == 1
+    got = ops.linear_int8(x, codes, scale, bias)
+    expected = ops.linear_int8_reference(x, codes, scale, bias)
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    exact = torch.nn.functional.linear(x.float(), w, None if bias is None else bias.float())
+    err = (got.float() - exact).abs().max() / exact.abs().max()
+    assert err < 0.03, f"int8 error {err:.4f} of the largest output"
+
+
+def test_linear_int8_row_does_not_depend_on_the_other_rows():
+    gen = torch.Generator().manual_seed(3)
+    x, codes, scale, bias, _ = int8_case(gen, 20, 64, 576, torch.bfloat16, True)
+    block = ops.linear_int8(x, codes, scale, bias)
+    for i in (0, 7, 19):
+        assert torch.equal(ops.linear_int8(x[i : i + 1], codes, scale, bias)[0], block[i])
+
+
+def test_quantize_int8_round_trip():
+    w = torch.randn(50, 70, generator=torch.Generator().manual_seed(1))
+    codes, scale = ops.quantize_int8(w)
+    back = (codes.float() - 128) * scale[:, None]
+    assert (back - w).abs().max() <= scale.max() / 2 + 1e-6
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"codes": torch.zeros(3, 8, dtype=torch.int8)}, r"weight must be uint8 codes"),
+        ({"scale": torch.ones(3, dtype=torch.float64)}, r"scale must be float32, got"),
+        ({"scale": torch.ones(4)}, r"scale.shape\[0\] must be 3"),
+        ({"codes": torch.zeros(3, 9, dtype=torch.uint8)}, r"weight.shape\[1\] must be 8"),
+        ({"out": torch.zeros(2, 3).bfloat16()}, r"out must have the dtype of x"),
+    ],
+)
+def test_linear_int8_errors(change, message):
+    args = {"x": torch.zeros(2, 8), "codes": torch.zeros(3, 8, dtype=torch.uint8),
+            "scale": torch.ones(3), "bias": None, "out": torch.zeros(2, 3), **change}  # fmt: skip
+    with pytest.raises(ValueError, match=message):
+        _C.linear_int8(*args.values())
+
+
 ISA_RANK = {"portable": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 2, "amx_bf16": 3}
 
 

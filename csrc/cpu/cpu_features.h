@@ -50,6 +50,15 @@ inline bool has_avx512() {
 #endif
 }
 
+inline bool has_avx512_vnni() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool yes = has_avx512() && __builtin_cpu_supports("avx512vnni");
+  return yes;
+#else
+  return false;
+#endif
+}
+
 inline bool has_avx512_bf16() {
 #if defined(__x86_64__) && defined(__GNUC__)
   static const bool yes = has_avx512() && __builtin_cpu_supports("avx512bf16");

@@ -431,6 +431,20 @@ void run(const LinearProblem& p, DType dtype) {
 }  // namespace
 }  // namespace cpu
 
+void check_linear_sizes(const std::string& op, const TensorView& x, const TensorView& w,
+                        const TensorView* bias, const TensorView& out) {
+  check_size(w, 1, x.shape[1], op, "weight", "in_features of x");
+  check_size(out, 0, x.shape[0], op, "out", "rows of x");
+  check_size(out, 1, w.shape[0], op, "out", "out_features of weight");
+  if (bias) {
+    check_ndim(*bias, 1, op, "bias", "[out_features]");
+    check_size(*bias, 0, w.shape[0], op, "bias", "out_features of weight");
+  }
+  check_last_dim_contiguous(x, op, "x");
+  check_last_dim_contiguous(w, op, "weight");
+  check_last_dim_contiguous(out, op, "out");
+}
+
 void linear_cpu(const TensorView& x, const TensorView& w, const TensorView* bias,
                 const TensorView& out) {
   const std::string op = "linear";
@@ -446,16 +460,7 @@ void linear_cpu(const TensorView& x, const TensorView& w, const TensorView* bias
   }
   if (x.device != Device::kCPU) fail(op, "x must be on cpu");
   check_dtype_is(x, DType::kFloat32, DType::kBFloat16, op, "x");
-  check_size(w, 1, x.shape[1], op, "weight", "in_features of x");
-  check_size(out, 0, x.shape[0], op, "out", "rows of x");
-  check_size(out, 1, w.shape[0], op, "out", "out_features of weight");
-  if (bias) {
-    check_ndim(*bias, 1, op, "bias", "[out_features]");
-    check_size(*bias, 0, w.shape[0], op, "bias", "out_features of weight");
-  }
-  check_last_dim_contiguous(x, op, "x");
-  check_last_dim_contiguous(w, op, "weight");
-  check_last_dim_contiguous(out, op, "out");
+  check_linear_sizes(op, x, w, bias, out);
 
   cpu::LinearProblem p;
   p.x = x.data;

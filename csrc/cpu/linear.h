@@ -21,7 +21,7 @@ struct LinearProblem {
 
 // A buffer of at least n elements, 64-byte aligned, owned by the calling thread and reused by its
 // later calls: one per (type, role), so buffers one call needs at once never share (the AVX2 path
-// takes roles 0-1, AMX 2-4).
+// takes roles 0-1, AMX 2-4, int8 5-8).
 template <typename T, int Role>
 T* thread_scratch(int64_t n) {
   thread_local std::vector<T> buf;
@@ -86,5 +86,9 @@ SPECINFER_INLINE void dispatch_tile(const LinearProblem& p, int64_t m0, int64_t 
 // bf16 on AMX tiles (linear_amx.cpp) when the CPU has them and K is a multiple of 32, for any M
 // (so a row's result never depends on the row count); false, having done nothing, otherwise.
 bool run_linear_amx(const LinearProblem& p, bool parallel);
+
+// 8-bit weight codes (uint8) times int8 x into int32 sums y (linear_int8.cpp), when the CPU has
+// AMX and K is a multiple of 64; false, having done nothing, otherwise.
+bool run_linear_amx_int8(const LinearProblem& p, bool parallel);
 
 }  // namespace specinfer::cpu

@@ -7,6 +7,9 @@
 // of columns interleaved, as TDPBF16PS reads them). Each output is one accumulator chain over k in
 // order, whatever the other rows of the tile hold: a row's result does not depend on the rows that
 // share the call, as speculation needs (every row count takes this path, one row included).
+//
+// The same tiles multiply 8-bit weights (linear_int8.cpp): TDPBUSD takes unsigned weight codes
+// and signed x bytes, 64 of k per tile row instead of 32, into exact int32 sums.
 #include <algorithm>
 #include <array>
 #include <cstring>
@@ -21,7 +24,7 @@
 #if defined(__x86_64__) && defined(__GNUC__)
 #include "cpu/avx512.h"
 #define SPECINFER_HAVE_AMX 1
-#define SPECINFER_AMX SPECINFER_AVX512 ",amx-tile,amx-bf16"
+#define SPECINFER_AMX SPECINFER_AVX512 ",amx-tile,amx-bf16,amx-int8"
 #endif
 
 namespace specinfer::cpu {
@@ -30,7 +33,7 @@ namespace specinfer::cpu {
 namespace {
 
 constexpr int kTile = 16;                   // tile rows, and fp32 or bf16-pair columns
-constexpr int kTileK = 32;                  // bf16 per tile row (64 bytes)
+constexpr int kTileBytes = 64;              // per tile row: 32 bf16 of k, or 64 bytes
 constexpr int kTileFloats = kTile * kTile;  // one accumulator tile, also one packed x tile
 constexpr int kGatherMaxRows = 4;  // outputs of up to this many x rows are gathered, not transposed
 constexpr int kBlockRows = 32;     // weight rows per block: two A tiles share each x tile
@@ -71,19 +74,22 @@ struct XTiles {
   int64_t tile_dwords() const { return kTile * width; }
 };
 
-// x as B tiles, [m_tiles][k_tiles][16][width] bf16 pairs: tile (mt, kb) row r, column c holds
-// x[width mt + c][32 kb + 2r + {0, 1}] (zeros for rows past M): pairs transposed, 16 x 16 at a
-// time. (One row needs no packing: its tiles are x itself, rows 4 bytes apart.)
+// x as B tiles, [m_tiles][k_tiles][16][width] 4-byte groups (bf16 pairs, or 4 int8): tile (mt, kb)
+// row r, column c holds x[width mt + c][32 kb + 2r + {0, 1}] (int8: [64 kb + 4r + {0..3}]), zeros
+// for rows past M: groups transposed, 16 x 16 at a time. (One row needs no packing: its tiles are
+// x itself, rows 4 bytes apart.)
 SPECINFER_TARGET(SPECINFER_AVX512)
-void pack_x(const LinearProblem& p, uint32_t* packed, int64_t m_tiles, int64_t k_tiles, int width) {
-  const uint16_t* x = static_cast<const uint16_t*>(p.x);
+void pack_x(const LinearProblem& p, int elem_bytes, uint32_t* packed, int64_t m_tiles,
+            int64_t k_tiles, int width) {
+  const char* x = static_cast<const char*>(p.x);
+  const int64_t row_bytes = p.x_stride * elem_bytes;
   const __mmask16 columns = __mmask16((1u << width) - 1u);
   for (int64_t mt = 0; mt < m_tiles; ++mt) {
     const int64_t rows = std::min<int64_t>(width, p.M - mt * width);
     for (int64_t kb = 0; kb < k_tiles; ++kb) {
       __m512i r[kTile];
       SPECINFER_UNROLL for (int c = 0; c < kTile; ++c) {
-        r[c] = c < rows ? _mm512_loadu_si512(x + (mt * width + c) * p.x_stride + kb * kTileK)
+        r[c] = c < rows ? _mm512_loadu_si512(x + (mt * width + c) * row_bytes + kb * kTileBytes)
                         : _mm512_setzero_si512();
       }
       transpose16x16(r);
@@ -96,11 +102,12 @@ void pack_x(const LinearProblem& p, uint32_t* packed, int64_t m_tiles, int64_t k
 }
 
 // A staged block's outputs into y: accumulator tiles [m_tiles][2][16 weight rows][16 x rows]
-// transposed to x rows, the bias added, rounded to bf16 as from_float does.
+// transposed to x rows; bf16: the bias added, rounded to bf16 as from_float does; int8: the int32
+// sums as they are.
+template <bool kInt8>
 SPECINFER_TARGET(SPECINFER_AVX512)
 void write_block(const LinearProblem& p, const float* staged, int64_t n0, int64_t n_rows,
                  int64_t m_tiles) {
-  bf16* y = static_cast<bf16*>(p.y);
   for (int t = 0; t * kTile < n_rows; ++t) {
     const int64_t n = n0 + t * kTile, width = std::min<int64_t>(kTile, n_rows - t * kTile);
     const __mmask16 columns = __mmask16((1u << width) - 1u);
@@ -124,18 +131,34 @@ void write_block(const LinearProblem& p, const float* staged, int64_t n0, int64_
         transpose16x16(r);
       }
       for (int64_t m = 0; m < rows; ++m) {
-        const __m512 v = _mm512_add_ps(_mm512_castsi512_ps(r[m]), bias_v);
-        _mm256_mask_storeu_epi16(y + (mt * kTile + m) * p.y_stride + n, columns, to_bf16x16(v));
+        const int64_t at = (mt * kTile + m) * p.y_stride + n;
+        if constexpr (kInt8) {
+          _mm512_mask_storeu_epi32(static_cast<int32_t*>(p.y) + at, columns, r[m]);
+        } else {
+          const __m512 v = _mm512_add_ps(_mm512_castsi512_ps(r[m]), bias_v);
+          _mm256_mask_storeu_epi16(static_cast<bf16*>(p.y) + at, columns, to_bf16x16(v));
+        }
       }
     }
   }
 }
 
+// Tile acc += tile a (weight rows) x tile b (x): bf16 pairs, or unsigned x signed bytes. A macro:
+// GCC's tile intrinsics paste their tile numbers into the assembly, so they must be literals.
+#define SPECINFER_TILE_DOT(acc, a, b) \
+  if constexpr (kInt8) {              \
+    _tile_dpbusd(acc, a, b);          \
+  } else {                            \
+    _tile_dpbf16ps(acc, a, b);        \
+  }
+
 // The 32 weight rows at w (w_stride elements apart) against every x row, two x tiles at a time,
 // each weight tile loaded once per pair; the accumulators are stored to `staged`.
+template <bool kInt8, typename W>
 SPECINFER_TARGET(SPECINFER_AMX)
-void run_block(const uint16_t* w, int64_t w_stride, const XTiles& x, float* staged) {
-  const int64_t w_bytes = w_stride * 2, x_bytes = 4 * x.width, step = x.tile_dwords();
+void run_block(const W* w, int64_t w_stride, const XTiles& x, float* staged) {
+  constexpr int64_t kK = kTileBytes / sizeof(W);  // k per tile row
+  const int64_t w_bytes = w_stride * sizeof(W), x_bytes = 4 * x.width, step = x.tile_dwords();
   for (int64_t mt = 0; mt < x.m_tiles; mt += 2) {
     const bool two = mt + 1 < x.m_tiles;
     const uint32_t* b0 = x.data + mt * x.k_tiles * step;
@@ -145,15 +168,15 @@ void run_block(const uint16_t* w, int64_t w_stride, const XTiles& x, float* stag
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t kb = 0; kb < x.k_tiles; ++kb) {
-      _tile_loadd(4, w + kb * kTileK, w_bytes);
-      _tile_loadd(5, w + kTile * w_stride + kb * kTileK, w_bytes);
+      _tile_loadd(4, w + kb * kK, w_bytes);
+      _tile_loadd(5, w + kTile * w_stride + kb * kK, w_bytes);
       _tile_loadd(6, b0 + kb * step, x_bytes);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 5, 6);
+      SPECINFER_TILE_DOT(0, 4, 6)
+      SPECINFER_TILE_DOT(1, 5, 6)
       if (two) {
         _tile_loadd(7, b1 + kb * step, x_bytes);
-        _tile_dpbf16ps(2, 4, 7);
-        _tile_dpbf16ps(3, 5, 7);
+        SPECINFER_TILE_DOT(2, 4, 7)
+        SPECINFER_TILE_DOT(3, 5, 7)
       }
     }
     float* out = staged + mt * 2 * kTileFloats;
@@ -168,45 +191,47 @@ void run_block(const uint16_t* w, int64_t w_stride, const XTiles& x, float* stag
 
 // A thread's blocks [begin, end). Each block's outputs are written while the next one computes:
 // read back at once, the tile stores would stall the loads.
+template <bool kInt8, typename W>
 void run_blocks(const LinearProblem& p, const XTiles& x, int64_t begin, int64_t end) {
   const int64_t stage_floats = (x.m_tiles + 1) * 2 * kTileFloats;  // x tiles rounded up to pairs
   float* stages = thread_scratch<float, 2>(2 * stage_floats);
-  const uint16_t* w = static_cast<const uint16_t*>(p.w);
+  const W* w = static_cast<const W*>(p.w);
   const auto write = [&](int64_t b) {
-    write_block(p, stages + (b % 2) * stage_floats, b * kBlockRows,
-                std::min<int64_t>(kBlockRows, p.N - b * kBlockRows), x.m_tiles);
+    write_block<kInt8>(p, stages + (b % 2) * stage_floats, b * kBlockRows,
+                       std::min<int64_t>(kBlockRows, p.N - b * kBlockRows), x.m_tiles);
   };
   for (int64_t b = begin; b < end; ++b) {
     const int64_t n0 = b * kBlockRows, n_rows = std::min<int64_t>(kBlockRows, p.N - n0);
     float* staged = stages + (b % 2) * stage_floats;
     if (n_rows == kBlockRows) {
-      run_block(w + n0 * p.w_stride, p.w_stride, x, staged);
+      run_block<kInt8>(w + n0 * p.w_stride, p.w_stride, x, staged);
     } else {  // the last, partial block: its rows copied, zero-padded, so no tile reads past w
-      uint16_t* rows = thread_scratch<uint16_t, 3>(kBlockRows * p.K);
-      std::memset(rows, 0, size_t(kBlockRows * p.K) * sizeof(uint16_t));
+      W* rows = thread_scratch<W, 3>(kBlockRows * p.K);
+      std::memset(rows, 0, size_t(kBlockRows * p.K) * sizeof(W));
       for (int64_t n = 0; n < n_rows; ++n) {
-        std::memcpy(rows + n * p.K, w + (n0 + n) * p.w_stride, size_t(p.K) * sizeof(uint16_t));
+        std::memcpy(rows + n * p.K, w + (n0 + n) * p.w_stride, size_t(p.K) * sizeof(W));
       }
-      run_block(rows, p.K, x, staged);
+      run_block<kInt8>(rows, p.K, x, staged);
     }
     if (b > begin) write(b - 1);
   }
   if (end > begin) write(end - 1);
 }
 
-}  // namespace
-
-bool run_linear_amx(const LinearProblem& p, bool parallel) {
-  if (!has_amx_bf16() || p.K % kTileK != 0) return false;
+// W: the weight's element (bf16 bits, or 8-bit codes); x has the same element size.
+template <bool kInt8, typename W>
+bool run_amx(const LinearProblem& p, bool parallel) {
+  constexpr int64_t kK = kTileBytes / sizeof(W);
+  if (!has_amx_bf16() || p.K % kK != 0) return false;
   XTiles x;
   x.width = int(std::min<int64_t>(kTile, p.M));
   x.m_tiles = (p.M + kTile - 1) / kTile;
-  x.k_tiles = p.K / kTileK;
+  x.k_tiles = p.K / kK;
   if (p.M == 1) {
     x.data = static_cast<const uint32_t*>(p.x);
   } else {
     uint32_t* packed = thread_scratch<uint32_t, 4>(x.m_tiles * x.k_tiles * x.tile_dwords());
-    pack_x(p, packed, x.m_tiles, x.k_tiles, x.width);
+    pack_x(p, sizeof(W), packed, x.m_tiles, x.k_tiles, x.width);
     x.data = packed;
   }
   const int64_t blocks = (p.N + kBlockRows - 1) / kBlockRows;
@@ -219,14 +244,25 @@ bool run_linear_amx(const LinearProblem& p, bool parallel) {
     threads = omp_get_num_threads();
     thread = omp_get_thread_num();
 #endif
-    run_blocks(p, x, blocks * thread / threads, blocks * (thread + 1) / threads);
+    run_blocks<kInt8, W>(p, x, blocks * thread / threads, blocks * (thread + 1) / threads);
     release_tiles();
   }
   return true;
 }
 
+}  // namespace
+
+bool run_linear_amx(const LinearProblem& p, bool parallel) {
+  return run_amx<false, uint16_t>(p, parallel);
+}
+
+bool run_linear_amx_int8(const LinearProblem& p, bool parallel) {
+  return run_amx<true, uint8_t>(p, parallel);
+}
+
 #else
 bool run_linear_amx(const LinearProblem&, bool) { return false; }
+bool run_linear_amx_int8(const LinearProblem&, bool) { return false; }
 #endif
 
 }  // namespace specinfer::cpu

@@ -146,7 +146,8 @@ def _own_path(path: list[int], merged_of: list[int]) -> list[int]:
 
 
 def build_drafter(specs, trees, target: nn.Module, target_path: Path, dtype, device,
-                  head: int | None, chains: bool, sized: bool = False) -> Drafter:  # fmt: skip
+                  head: int | None, chains: bool, sized: bool = False,
+                  int8: bool = False) -> Drafter:  # fmt: skip
     """SSMs from specs (a model path, int L / "layers:L", "default" for the SSM shipped for the
     default model, "feature" for its feature head, "feature:PATH" for another feature head,
     prompt lookup "ngram[:k=v,...]" or earlier requests' continuations "suffix[:k=v,...]"),
@@ -155,7 +156,8 @@ def build_drafter(specs, trees, target: nn.Module, target_path: Path, dtype, dev
     `head`: the neural SSMs' LM head vocabulary (see `head_token_ids`). `chains`: sequence mode,
     every SSM drafts a chain. `sized`: a neural SSM given no tree drafts SIZED_TREE to the
     depth the cost-aware budget chooses each step (budget.TreeBudget.depth); without it, the
-    default SSM drafts DEFAULT_SSM_TREE and the others TreeConfig()."""
+    default SSM drafts DEFAULT_SSM_TREE and the others TreeConfig(). `int8`: the SSMs with
+    weights of their own draft through 8-bit copies of them (Speculator.quantize_int8)."""
     specs = list(specs) if isinstance(specs, list | tuple) else [specs]
     if not specs:
         raise ValueError("ssm list is empty")
@@ -191,6 +193,8 @@ def build_drafter(specs, trees, target: nn.Module, target_path: Path, dtype, dev
         ssm = load_speculator(spec, target, target_path, tree, dtype, device, feature)
         ssm.sized = grows
         ssm.restrict_head(head_token_ids(spec, head, target.config.vocab_size))
+        if int8 and not ssm.shares_target:
+            ssm.quantize_int8()
         ssms.append(ssm)
     return Drafter(ssms)
 

@@ -75,17 +75,38 @@ class ReplicatedEmbedding(nn.Module):
         return F.embedding(ids, self.weight)
 
 
-class ReplicatedLinear(nn.Module):
+class Projection(nn.Module):
+    """What every linear layer shares: x @ weight^T, or through 8-bit codes of the weight once
+    `quantize_int8` made them (draft models: half the bytes streamed per call; the weight stays,
+    for its dtype and for training)."""
+
+    quantizable = True  # False: quantize_int8 of a whole model leaves it as loaded
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("codes", None, persistent=False)
+        self.register_buffer("codes_scale", None, persistent=False)
+
+    def quantize_int8(self) -> None:
+        self.codes, self.codes_scale = ops.quantize_int8(self.weight)
+
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.codes is None:
+            return ops.linear(x, self.weight, bias)
+        return ops.linear_int8(x, self.codes, self.codes_scale, bias)
+
+
+class ReplicatedLinear(Projection):
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
         self.weight = _param(out_features, in_features)
         self.bias = _param(out_features) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
+        return self.project(x, self.bias)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(Projection):
     """y = x W^T with W's output features split across ranks; the output stays sharded.
 
     `out_sizes` lists the fused sub-projections (full sizes); each is split separately so a
@@ -117,7 +138,7 @@ class ColumnParallelLinear(nn.Module):
         param.data[offset : offset + n].copy_(full[start : start + n])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
+        return self.project(x, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -142,7 +163,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(in_features, out_sizes, bias, shard_ids=range(len(out_sizes)))
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(Projection):
     """y = x W^T with W's input features split across ranks; partial sums are all-reduced."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
@@ -160,7 +181,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, by rank 0, before the sum.
-        y = ops.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
+        y = self.project(x, self.bias if self.tp.rank == 0 else None)
         return self.tp.all_reduce(y) if self.tp.size > 1 else y
 
 

@@ -175,6 +175,46 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scale) of a [N, K] weight for linear_int8: per row, scale = max |w| / 127 (float32)
+    and codes = round(w / scale) + 128 (uint8, 1..255)."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round(w / scale[:, None]).clamp(-127, 127) + 128
+    return codes.to(torch.uint8).contiguous(), scale.contiguous()
+
+
+def linear_int8_reference(x, codes, scale, bias=None) -> torch.Tensor:
+    """What linear_int8 computes: each row of x quantized to int8 by its own scale (max |x| / 127),
+    exact integer dot products with the codes less their zero point, both scales applied."""
+    xf = x.float()
+    x_scale = xf.abs().amax(dim=-1, keepdim=True) / 127
+    x_scale = torch.where(x_scale > 0, x_scale, torch.ones_like(x_scale))
+    xq = torch.round((xf * (1 / x_scale)).clamp(-127, 127))
+    dots = (xq.double() @ (codes.double() - 128).T).float()  # exact: |sums| < 2^53
+    y = dots * (x_scale * scale.float())
+    return (y if bias is None else y + bias.float()).to(x.dtype)
+
+
+def linear_int8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """y = x @ W^T + bias with W as 8-bit codes (quantize_int8), for draft models on the CPU:
+    half the bytes of bf16 to stream per call. x is quantized per row, so y is close to, not
+    equal to, the full-precision product (drafts only propose: verification stays exact)."""
+    if _C is None or not hasattr(_C, "linear_int8") or not x.is_cpu or x.dtype not in (
+        torch.float32, torch.bfloat16
+    ):  # fmt: skip
+        refuse_while_recording("linear_int8")
+        return linear_int8_reference(x, codes, scale, bias)
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape[0], codes.shape[0], dtype=x.dtype)
+    _C.linear_int8(x2, codes, scale, bias, out)
+    return out.view(*x.shape[:-1], codes.shape[0])
+
+
 def kv_commit_reference(
     caches: list[torch.Tensor],
     cache_rows: torch.Tensor,

@@ -19,6 +19,7 @@ from torch import nn
 from specinfer import ops
 from specinfer.graphs import GraphRunner
 from specinfer.kv_cache import kept_capacity
+from specinfer.layers import Projection
 from specinfer.sampling import SamplingParams, probabilities
 from specinfer.tree import TokenTree, TreeConfig
 
@@ -57,6 +58,8 @@ class Speculator:
         self.cached: list[int] = []  # per cache row: tokens of the request in the SSM's cache
         self.head_ids: torch.Tensor | None = None  # the LM head's vocabulary subset, if any
         self.head_weight: torch.Tensor | None = None
+        self.head_codes = None  # (codes, scale) of head_weight once quantize_int8 ran
+        self.shares_target = False  # its layers are the target's (layer_selected)
         # Per cache row: the last draft's nodes the SSM ran (has K/V for), root included.
         self.fed: dict[int, set[int]] = {}
 
@@ -82,6 +85,21 @@ class Speculator:
         weight = self.model.lm_head.weight
         self.head_ids = torch.tensor(token_ids, device=weight.device)
         self.head_weight = weight.detach()[self.head_ids].contiguous()
+        if self.head_codes is not None:
+            self.head_codes = ops.quantize_int8(self.head_weight)
+
+    def quantize_int8(self) -> None:
+        """Draft through 8-bit codes of the SSM's own projections and of its restricted LM head
+        (ops.linear_int8): drafting streams these weights from memory at every level, so this
+        halves most of its cost. Lossless all the same (verification decides), though the
+        drafts may differ slightly. Not for a layer-selected SSM: its layers are the target's."""
+        if self.shares_target:
+            raise ValueError(f"{self.name} shares the target's layers: they cannot be quantized")
+        for module in self.model.modules():
+            if isinstance(module, Projection) and module.quantizable:
+                module.quantize_int8()
+        if self.head_weight is not None:
+            self.head_codes = ops.quantize_int8(self.head_weight)
 
     def reset(self, rows: int, max_seq_len: int) -> None:
         """A new batch: keep the cache (and the graphs recorded over it) if it is large enough."""
@@ -212,6 +230,8 @@ class Speculator:
         """Logits over the head's vocabulary (all tokens, or the restricted subset)."""
         if self.head_weight is None:
             return self.model.compute_logits(hidden)
+        if self.head_codes is not None:
+            return ops.linear_int8(hidden, *self.head_codes).float()
         return ops.linear(hidden, self.head_weight).float()
 
     def _expand(self, tree: TokenTree, nodes: list[int], logits: torch.Tensor, width: int,
@@ -337,7 +357,9 @@ def load_speculator(
     a feature head: `specinfer train-ssm --kind feature`; `feature` requires one)."""
     if isinstance(spec, int) or (isinstance(spec, str) and spec.startswith("layers:")):
         n = spec if isinstance(spec, int) else parse_layers(spec)
-        return Speculator(layer_selected(target, n), tree, name=f"layers:{n}")
+        ssm = Speculator(layer_selected(target, n), tree, name=f"layers:{n}")
+        ssm.shares_target = True
+        return ssm
     from specinfer.feature_speculator import FeatureSpeculator
     from specinfer.loader import load_model
 

@@ -56,6 +56,7 @@ class Engine:
         mode: str | None = None,
         verifier: str = "mss",
         ssm_head: int | None = None,
+        ssm_int8: bool | None = None,
         adaptive_tree: bool = True,
         max_tree_nodes: int | None = None,
         tensor_parallel: int = 1,
@@ -71,7 +72,11 @@ class Engine:
         int L / "layers:L" for the target's first L layers, "ngram[:key=value,...]" for prompt
         lookup, or a list of these: their trees are merged into one. tree: one config for all
         model SSMs or a list per SSM (None at n-gram entries). ssm_head: N restricts the model
-        SSMs' LM head to N tokens (see drafting.head_token_ids; 0 = full head). verifier:
+        SSMs' LM head to N tokens (see drafting.head_token_ids; 0 = full head). ssm_int8: the
+        model SSMs draft through 8-bit copies of their own weights and restricted LM head
+        (ops.linear_int8): half the bytes each drafting call streams, and still lossless, since
+        verification decides (default: on the CPU, off on CUDA and under tensor or pipeline
+        parallelism; never for layer-selected SSMs, whose layers are the target's). verifier:
         "mss" (multi-step speculative sampling) or "naive" (the ablation) for sampling.
         adaptive_tree: verify only the part of each drafted tree that pays for its rows in the
         target forward (see budget.TreeBudget; lossless); False verifies the whole tree.
@@ -147,8 +152,8 @@ class Engine:
                 resident = max(resident_layers, selected_layers(ssm) if ssm is not None else 0)
                 offload_model(self.model, offload, self.device, path, offload_dir, resident)
                 self.model.to(self.device)
-            self._build(path, ssm, tree, ssm_head, adaptive_tree, max_tree_nodes, max_model_len,
-                        kv_budget, max_batch_size, max_tokens_per_step, verifier)  # fmt: skip
+            self._build(path, ssm, tree, ssm_head, ssm_int8, adaptive_tree, max_tree_nodes,
+                        max_model_len, kv_budget, max_batch_size, max_tokens_per_step, verifier)  # fmt: skip
             self.dsi = None
             if self.mode == "dsi":
                 from specinfer.dsi.mode import DSIMode
@@ -158,8 +163,8 @@ class Engine:
             self.close()
             raise
 
-    def _build(self, path, ssm, tree, ssm_head, adaptive_tree, max_tree_nodes, max_model_len,
-               kv_budget, max_batch_size, max_tokens_per_step, verifier) -> None:  # fmt: skip
+    def _build(self, path, ssm, tree, ssm_head, ssm_int8, adaptive_tree, max_tree_nodes,
+               max_model_len, kv_budget, max_batch_size, max_tokens_per_step, verifier) -> None:  # fmt: skip
         self.config = self.model.config
         self.tokenizer = TokenizerWrapper.from_path(path)
         self.verifier = verifier
@@ -169,9 +174,14 @@ class Engine:
         self.budget = None
         if self.mode != "incremental":
             target = ssm_view(self.runner, ssm) if self.workers else self.model
+            if ssm_int8 not in (None, True, False):
+                raise ValueError(f"ssm_int8 must be True, False or None (auto), got {ssm_int8!r}")
+            if ssm_int8 is None:
+                ssm_int8 = self.device.type == "cpu" and self.workers is None
             self.drafter = build_drafter(ssm, tree, target, path, self.dtype, self.device,
                                          ssm_head, chains=self.mode == "sequence",
-                                         sized=adaptive_tree and self.mode != "dsi")  # fmt: skip
+                                         sized=adaptive_tree and self.mode != "dsi",
+                                         int8=ssm_int8)  # fmt: skip
             if self.drafter.reads_features:
                 if self.mode == "dsi" or (self.runner.par is not None and self.runner.par.pp > 1):
                     raise ValueError("a feature head drafts from the target's hidden states of "

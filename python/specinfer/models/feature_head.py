@@ -36,6 +36,12 @@ class FeatureHead(LlamaForCausalLM):
         self.fc = ReplicatedLinear(2 * H, H, bias=True)
         if config.feature_layers:
             self.fc_layers = ReplicatedLinear((len(config.feature_layers) + 1) * H, H, bias=True)
+        # Their inputs are the target's raw hidden states, whose few large channels would leave
+        # the rest of a row little of int8's range (its scale is per row): they stay as loaded.
+        # Quantized, fc cost the head ~5% of its accepted tokens on held-out prompts.
+        for fc in (self.fc, getattr(self, "fc_layers", None)):
+            if fc is not None:
+                fc.quantizable = False
 
     @property
     def feature_size(self) -> int:
