@@ -109,13 +109,14 @@ void run(const TreeAttentionArgs& a, const std::vector<int64_t>& rows,
   const bool parallel = work * a.q_heads() * a.head_dim() >= (int64_t(1) << 17);
 
   // Work items: (request, KV head, a range of its T x group query rows). In parallel, long
-  // blocks (prefill) are split into chunks of 16 tokens or more so every core has work even when
-  // B * Hkv is small, and short ones (decode, small trees) down to single query rows (each
-  // item re-reads K/V, cheap next to its compute; not worth it serially).
-  const int64_t q_rows = T_ * p.group;
-  const int64_t want = parallel ? (4 * threads + B * Hkv - 1) / (B * Hkv) : 1;
+  // blocks (prefill) are split into chunks of 16 tokens or more, about 4 items a thread, so every
+  // core has work even when B * Hkv is small, and short ones (decode, small trees) into about 2
+  // items a thread, down to single query rows: each item converts the K/V it reads, which is
+  // most of a small item's work (9 tokens, 300 keys: 57 -> 50 us a call with 2 a thread, not 4).
+  const int64_t q_rows = T_ * p.group, long_block = T_ >= 32;
+  const int64_t want = parallel ? ((long_block ? 4 : 2) * threads + B * Hkv - 1) / (B * Hkv) : 1;
   const int64_t split =
-      std::max<int64_t>(1, T_ >= 32 ? std::min((T_ + 15) / 16, want) : std::min(q_rows, want));
+      std::max<int64_t>(1, long_block ? std::min((T_ + 15) / 16, want) : std::min(q_rows, want));
   const int64_t chunk = (q_rows + split - 1) / split;
   const int64_t chunks = (q_rows + chunk - 1) / chunk;
   const int64_t items = B * Hkv * chunks;
