@@ -63,6 +63,14 @@ def main(argv: list[str] | None = None) -> int:
         "default: up to 8192 of head_tokens.json if present, else full)",
     )
     gen.add_argument(
+        "--no-ssm-int8",
+        dest="ssm_int8",
+        action="store_false",
+        default=None,
+        help="model SSMs draft with their weights as loaded, not 8-bit copies (default on the "
+        "CPU: half the bytes a drafting call streams; lossless either way)",
+    )
+    gen.add_argument(
         "--tree",
         default=None,
         help="expansion config of the model SSMs, e.g. 1,1,3,1 (default: a tree drafted as deep "
@@ -194,6 +202,8 @@ def _add_serve_parser(sub) -> None:
         "default model, ngram for others; turn off with --mode incremental)",
     )
     serve.add_argument("--ssm-head", type=int, default=None, help="as for generate")
+    serve.add_argument("--no-ssm-int8", dest="ssm_int8", action="store_false", default=None,
+                       help="as for generate")  # fmt: skip
     serve.add_argument("--tree", default=None, help="expansion config, as for generate")
     serve.add_argument("--mode", choices=["incremental", "sequence", "tree"], default=None)
     serve.add_argument(
@@ -282,7 +292,7 @@ def engine_from_args(args, **serving):
         ssm = ["default", "ngram"] if ships_an_ssm(args.model) else ["ngram"]
     return Engine(args.model, dtype=args.dtype, device=args.device, threads=args.threads,
                   ssm=ssm, tree=args.tree, mode=args.mode, ssm_head=args.ssm_head,
-                  adaptive_tree=not args.whole_trees, max_tree_nodes=args.max_tree_nodes,
+                  ssm_int8=args.ssm_int8, adaptive_tree=not args.whole_trees, max_tree_nodes=args.max_tree_nodes,
                   tensor_parallel=args.tensor_parallel,
                   pipeline_parallel=args.pipeline_parallel, offload=args.offload,
                   offload_dir=args.offload_dir, resident_layers=args.resident_layers,
