@@ -89,3 +89,13 @@ def test_sampling_frequencies_follow_the_distribution():
     expected = torch.softmax(logits, -1) * n
     chi2 = (((counts - expected) ** 2) / expected).sum().item()
     assert chi2 < 13.8  # chi-squared, 2 degrees of freedom, p = 0.001
+
+
+def test_greedy_tokens_is_argmax_first_maximum_included():
+    from specinfer.sampling import greedy_tokens
+
+    x = torch.randn(5, 1000, generator=torch.Generator().manual_seed(0))
+    x[1, 10] = x[1, 900] = 50.0  # a tie: the first maximum, as argmax
+    x[2] = 0.0
+    assert torch.equal(greedy_tokens(x), x.argmax(-1))
+    assert int(greedy_tokens(x[1])) == 10 and int(greedy_tokens(x[2])) == 0

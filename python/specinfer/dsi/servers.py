@@ -39,7 +39,7 @@ import torch.multiprocessing as mp
 
 from specinfer import ops
 from specinfer.distributed.workers import stop_processes
-from specinfer.sampling import probabilities
+from specinfer.sampling import greedy_tokens, probabilities
 
 LOAD_TIMEOUT = float(os.environ.get("SPECINFER_LOAD_TIMEOUT", "900"))  # seconds to load a copy
 
@@ -168,7 +168,7 @@ class _TraceTarget:
 
 def _rows(logits: torch.Tensor, sampling) -> object:
     if sampling is None:
-        return logits.argmax(-1).tolist()
+        return greedy_tokens(logits).tolist()
     temperature, top_k, top_p = sampling
     return probabilities(logits, temperature, top_k, top_p).numpy()
 

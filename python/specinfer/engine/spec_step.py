@@ -15,7 +15,7 @@ from specinfer import verify
 from specinfer.budget import SEEDED_DEPTH, must_draft
 from specinfer.engine.model_runner import ModelRunner
 from specinfer.engine.sequence import Sequence
-from specinfer.sampling import draw_seed, next_token, probabilities
+from specinfer.sampling import draw_seed, greedy_tokens, next_token, probabilities
 from specinfer.tree import TokenTree
 
 
@@ -119,7 +119,7 @@ def verify_tree(seq: Sequence, tree: TokenTree, logits: torch.Tensor,
     if seq.penalties.active:  # node u's logits as incremental decoding would after u's path
         logits = seq.penalties.apply(logits, seq.output_ids, tree.branches())
     if seq.params.greedy:
-        return verify.verify_greedy(tree.parents, tree.tokens, logits.argmax(-1))
+        return verify.verify_greedy(tree.parents, tree.tokens, greedy_tokens(logits))
     p = probabilities(logits, seq.params.temperature, seq.params.top_k, seq.params.top_p)
     seed = draw_seed(seq.generator)
     if verifier == "naive":
