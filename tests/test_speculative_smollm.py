@@ -113,9 +113,10 @@ def test_merged_ssm_and_ngram_are_lossless_on_smollm2(smollm_gguf, incremental):
 
 def test_a_perfect_ssm_accepts_whole_paths(smollm_gguf, incremental):
     # The target as its own SSM: deep accepted paths exercise the depth-first commit. Whole
-    # trees: drafting with the target costs more than it gains, so the cut would stop it.
+    # trees: drafting with the target costs more than it gains, so the cut would stop it. Its
+    # weights as loaded: 8-bit drafts (ssm_int8) would no longer be the target's.
     spec = Engine(smollm_gguf, dtype="float32", ssm=smollm_gguf, tree="1,2,1", max_batch_size=2,
-                  adaptive_tree=False)  # fmt: skip
+                  adaptive_tree=False, ssm_int8=False)  # fmt: skip
     ties = _check(incremental, spec, WRITTEN[:2], 16)
     out = spec.generate(WRITTEN[0], SamplingParams(max_tokens=16, ignore_eos=True))[0]
     assert out.metrics["tokens_per_step"] > 3.0  # depth 3 + the bonus token, minus near-ties
