@@ -293,7 +293,8 @@ def engine_from_args(args, **serving):
         ssm = ["default", "ngram"] if ships_an_ssm(args.model) else ["ngram"]
     return Engine(args.model, dtype=args.dtype, device=args.device, threads=args.threads,
                   ssm=ssm, tree=args.tree, mode=args.mode, ssm_head=args.ssm_head,
-                  ssm_int8=args.ssm_int8, adaptive_tree=not args.whole_trees, max_tree_nodes=args.max_tree_nodes,
+                  ssm_int8=args.ssm_int8, adaptive_tree=not args.whole_trees,
+                  max_tree_nodes=args.max_tree_nodes,
                   tensor_parallel=args.tensor_parallel,
                   pipeline_parallel=args.pipeline_parallel, offload=args.offload,
                   offload_dir=args.offload_dir, resident_layers=args.resident_layers,

@@ -202,9 +202,7 @@ def linear_int8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     """y = x @ W^T + bias with W as 8-bit codes (quantize_int8), for draft models on the CPU:
     half the bytes of bf16 to stream per call. x is quantized per row, so y is close to, not
     equal to, the full-precision product (drafts only propose: verification stays exact)."""
-    if _C is None or not hasattr(_C, "linear_int8") or not x.is_cpu or x.dtype not in (
-        torch.float32, torch.bfloat16
-    ):  # fmt: skip
+    if _C is None or not x.is_cpu or x.dtype not in (torch.float32, torch.bfloat16):
         refuse_while_recording("linear_int8")
         return linear_int8_reference(x, codes, scale, bias)
     x2 = x.reshape(-1, x.shape[-1])

@@ -58,7 +58,8 @@ class Speculator:
         self.cached: list[int] = []  # per cache row: tokens of the request in the SSM's cache
         self.head_ids: torch.Tensor | None = None  # the LM head's vocabulary subset, if any
         self.head_weight: torch.Tensor | None = None
-        self.head_codes = None  # (codes, scale) of head_weight once quantize_int8 ran
+        self.int8 = False  # drafts through 8-bit codes (quantize_int8)
+        self.head_codes = None  # (codes, scale) of head_weight when int8
         self.shares_target = False  # its layers are the target's (layer_selected)
         # Per cache row: the last draft's nodes the SSM ran (has K/V for), root included.
         self.fed: dict[int, set[int]] = {}
@@ -81,12 +82,11 @@ class Speculator:
         a valid distribution the verifier is given exactly."""
         if token_ids is None:
             self.head_ids = self.head_weight = None
-            return
-        weight = self.model.lm_head.weight
-        self.head_ids = torch.tensor(token_ids, device=weight.device)
-        self.head_weight = weight.detach()[self.head_ids].contiguous()
-        if self.head_codes is not None:
-            self.head_codes = ops.quantize_int8(self.head_weight)
+        else:
+            weight = self.model.lm_head.weight
+            self.head_ids = torch.tensor(token_ids, device=weight.device)
+            self.head_weight = weight.detach()[self.head_ids].contiguous()
+        self._quantize_head()
 
     def quantize_int8(self) -> None:
         """Draft through 8-bit codes of the SSM's own projections and of its restricted LM head
@@ -98,8 +98,12 @@ class Speculator:
         for module in self.model.modules():
             if isinstance(module, Projection) and module.quantizable:
                 module.quantize_int8()
-        if self.head_weight is not None:
-            self.head_codes = ops.quantize_int8(self.head_weight)
+        self.int8 = True
+        self._quantize_head()
+
+    def _quantize_head(self) -> None:
+        use = self.int8 and self.head_weight is not None
+        self.head_codes = ops.quantize_int8(self.head_weight) if use else None
 
     def reset(self, rows: int, max_seq_len: int) -> None:
         """A new batch: keep the cache (and the graphs recorded over it) if it is large enough."""

@@ -136,6 +136,8 @@ class Engine:
                              "or offloading")  # fmt: skip
         if self.mode == "dsi":
             max_batch_size = 1  # one request at a time, overlapped within itself
+        if ssm_int8 not in (None, True, False):
+            raise ValueError(f"ssm_int8 must be True, False or None (auto), got {ssm_int8!r}")
         if verifier not in ("mss", "naive"):
             raise ValueError(f"verifier must be 'mss' or 'naive', got {verifier!r}")
         if self.mode != "incremental" and ssm is None:
@@ -174,8 +176,6 @@ class Engine:
         self.budget = None
         if self.mode != "incremental":
             target = ssm_view(self.runner, ssm) if self.workers else self.model
-            if ssm_int8 not in (None, True, False):
-                raise ValueError(f"ssm_int8 must be True, False or None (auto), got {ssm_int8!r}")
             if ssm_int8 is None:
                 ssm_int8 = self.device.type == "cpu" and self.workers is None
             self.drafter = build_drafter(ssm, tree, target, path, self.dtype, self.device,
