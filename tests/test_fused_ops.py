@@ -25,7 +25,7 @@ def randn(*shape, dtype=torch.float32, scale=1.0, seed=0):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(576,), (1, 1, 576), (3, 5, 64), (2, 130)])
+@pytest.mark.parametrize("shape", [(576,), (1, 1, 576), (3, 5, 64), (2, 130), (2, 9, 576)])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm(dtype, shape, with_residual):
     x = randn(*shape, dtype=dtype, scale=3.0)
@@ -64,7 +64,9 @@ def qkv_views(batch, tokens, heads, kv_heads, head_dim, dtype, seed=0):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("table_dtype", [torch.float32, "model"])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("shape", [(1, 1, 9, 3, 64), (3, 7, 4, 4, 32), (2, 5, 8, 2, 128)])
+@pytest.mark.parametrize(
+    "shape", [(1, 1, 9, 3, 64), (3, 7, 4, 4, 32), (2, 5, 8, 2, 128), (2, 16, 9, 3, 64)]
+)
 def test_rotary(dtype, table_dtype, index_dtype, shape):
     batch, tokens, heads, kv_heads, head_dim = shape
     rotary = RotaryEmbedding(head_dim, 300, 10000.0, None)
@@ -82,11 +84,39 @@ def test_rotary(dtype, table_dtype, index_dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(1, 1, 3072), (4, 3, 20), (7, 2)])
+@pytest.mark.parametrize("shape", [(1, 1, 3072), (4, 3, 20), (7, 2), (3, 4, 3072)])
 @pytest.mark.parametrize("scale", [1.0, 100.0])  # 100: exp's clamps, silu ~ 0 or ~ x
 def test_silu_mul(dtype, shape, scale):
     x = randn(*shape, dtype=dtype, scale=scale)
     torch.testing.assert_close(ops.silu_mul(x), ops.silu_mul_reference(x), **close(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_split_between_threads_equal_one_row_calls(dtype):
+    """Calls this large split their rows between the threads (fused.cpp: for_row_ranges): each
+    row must come out bit for bit as it does alone, as a tree's rows must equal decode steps."""
+    x, weight = randn(24, 576, dtype=dtype, scale=3.0), randn(576, dtype=dtype, seed=1)
+    residual = randn(24, 576, dtype=dtype, seed=2)
+    rows_residual = residual.clone()
+    whole = ops.rms_norm(x, weight, 1e-5, residual)
+    for r in range(24):
+        one = ops.rms_norm(x[r : r + 1], weight, 1e-5, rows_residual[r : r + 1])
+        assert torch.equal(one, whole[r : r + 1])
+    assert torch.equal(rows_residual, residual)
+
+    gate_up = randn(24, 3072, dtype=dtype, scale=4.0, seed=3)
+    whole = ops.silu_mul(gate_up)
+    assert all(torch.equal(ops.silu_mul(gate_up[r : r + 1]), whole[r : r + 1]) for r in range(24))
+
+    rotary = RotaryEmbedding(64, 300, 10000.0, None)
+    positions = torch.arange(100, 124).view(1, 24)
+    q, k = qkv_views(1, 24, 9, 3, 64, dtype)
+    q_rows, k_rows = q.clone(), k.clone()
+    ops.rotary(q, k, rotary.cos, rotary.sin, positions)
+    for t in range(24):
+        ops.rotary(q_rows[:, t : t + 1], k_rows[:, t : t + 1], rotary.cos, rotary.sin,
+                   positions[:, t : t + 1])  # fmt: skip
+    assert torch.equal(q, q_rows) and torch.equal(k, k_rows)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -101,6 +101,7 @@ def main() -> None:
         random.Random(args.seed + 2).shuffle(extra)
         files.append(("train_extra.jsonl", extra))
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     for name, prompts in files:
         with open(out / name, "w") as f:
             for p in prompts:

@@ -2,10 +2,15 @@
 // than in arithmetic, so each of these replaces several of them with one pass over the rows.
 // Math is fp32; results are rounded to the tensor dtype wherever the torch reference rounds, so
 // bfloat16 outputs match it but for a rare last bit where an fp32 sum or exp rounds the other way.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "core/numeric.h"
 #include "core/tensor_view.h"
@@ -68,10 +73,11 @@ void check_index(const TensorView& v, const std::string& op, const char* name) {
 
 template <typename T>
 SPECINFER_INLINE void rms_norm_rows(const TensorView& x, const TensorView& w,
-                                    const TensorView* residual, const TensorView& out, float eps) {
-  const int64_t rows = rows_of(x), n = x.shape[x.ndim - 1];
+                                    const TensorView* residual, const TensorView& out, float eps,
+                                    int64_t r0, int64_t r1) {
+  const int64_t n = x.shape[x.ndim - 1];
   const T* weight = w.ptr<const T>();
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = r0; r < r1; ++r) {
     const T* src = x.ptr<const T>() + offset_of(x, r, x.ndim - 1);
     if (residual) {
       T* res = residual->ptr<T>() + offset_of(*residual, r, residual->ndim - 1);
@@ -97,13 +103,13 @@ SPECINFER_INLINE void rms_norm_rows(const TensorView& x, const TensorView& w,
 // them) and offset are looked up once for all its heads.
 template <typename T, typename C>
 SPECINFER_INLINE void rotary_rows(const TensorView& x, const TensorView& cos, const TensorView& sin,
-                                  const TensorView& positions) {
+                                  const TensorView& positions, int64_t t0, int64_t t1) {
   const int64_t heads = x.shape[x.ndim - 2], head_stride = x.strides[x.ndim - 2];
-  const int64_t tokens = rows_of(x) / heads, dim = x.shape[x.ndim - 1], half = dim / 2;
+  const int64_t dim = x.shape[x.ndim - 1], half = dim / 2;
   std::vector<float> tables(2 * dim);
   float* cs = tables.data();
   float* sn = cs + dim;
-  for (int64_t t = 0; t < tokens; ++t) {
+  for (int64_t t = t0; t < t1; ++t) {
     T* token = x.ptr<T>() + offset_of(x, t, x.ndim - 2);
     const int64_t pos = index_value(positions, t);
     const C* c = cos.ptr<const C>() + pos * cos.strides[0];
@@ -126,9 +132,10 @@ SPECINFER_INLINE void rotary_rows(const TensorView& x, const TensorView& cos, co
 }
 
 template <typename T>
-SPECINFER_INLINE void silu_mul_rows(const TensorView& x, const TensorView& out) {
-  const int64_t rows = rows_of(x), n = out.shape[out.ndim - 1];
-  for (int64_t r = 0; r < rows; ++r) {
+SPECINFER_INLINE void silu_mul_rows(const TensorView& x, const TensorView& out, int64_t r0,
+                                    int64_t r1) {
+  const int64_t n = out.shape[out.ndim - 1];
+  for (int64_t r = r0; r < r1; ++r) {
     const T* gate = x.ptr<const T>() + offset_of(x, r, x.ndim - 1);
     const T* up = gate + n;
     T* dst = out.ptr<T>() + offset_of(out, r, out.ndim - 1);
@@ -140,71 +147,117 @@ SPECINFER_INLINE void silu_mul_rows(const TensorView& x, const TensorView& out) 
   }
 }
 
-// The arithmetic-heavy kernels also get an AVX2+FMA copy (8 lanes instead of SSE2's 4), picked
-// at run time; the always-inline kernel is vectorised for each caller's target.
+// Rows [0, rows) split between the threads when a call has enough elements to pay for waking
+// them; every row is computed the same way however they are split.
+constexpr int64_t kParallelElements = 8192;
+
+template <typename Fn>
+void for_row_ranges(int64_t rows, int64_t row_elements, Fn&& fn) {
+  int threads = 1;
+#ifdef _OPENMP
+  if (rows > 1 && rows * row_elements >= kParallelElements) {
+    threads = int(std::min<int64_t>(omp_get_max_threads(), rows));
+  }
+#endif
+  if (threads == 1) return fn(int64_t(0), rows);
+#pragma omp parallel num_threads(threads)
+  {
+#ifdef _OPENMP
+    const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+    fn(rows * t / n, rows * (t + 1) / n);
+#endif
+  }
+}
+
+// The arithmetic-heavy kernels also get an AVX2+FMA copy (8 lanes instead of SSE2's 4) and an
+// AVX-512 one, picked at run time; the always-inline kernel is vectorised for each copy's target.
+template <typename T>
+void rms_norm_portable(const TensorView& x, const TensorView& w, const TensorView* residual,
+                       const TensorView& out, float eps, int64_t r0, int64_t r1) {
+  rms_norm_rows<T>(x, w, residual, out, eps, r0, r1);
+}
+
 template <typename T>
 SPECINFER_TARGET(SPECINFER_AVX2)
 void rms_norm_avx2(const TensorView& x, const TensorView& w, const TensorView* residual,
-                   const TensorView& out, float eps) {
-  rms_norm_rows<T>(x, w, residual, out, eps);
+                   const TensorView& out, float eps, int64_t r0, int64_t r1) {
+  rms_norm_rows<T>(x, w, residual, out, eps, r0, r1);
 }
 
 template <typename T>
 SPECINFER_TARGET(SPECINFER_AVX512_WIDE)
 void rms_norm_avx512(const TensorView& x, const TensorView& w, const TensorView* residual,
-                     const TensorView& out, float eps) {
-  rms_norm_rows<T>(x, w, residual, out, eps);
+                     const TensorView& out, float eps, int64_t r0, int64_t r1) {
+  rms_norm_rows<T>(x, w, residual, out, eps, r0, r1);
 }
 
 template <typename T>
 void rms_norm_run(const TensorView& x, const TensorView& w, const TensorView* residual,
                   const TensorView& out, float eps) {
-  if (cpu::has_avx512()) return rms_norm_avx512<T>(x, w, residual, out, eps);
-  if (cpu::has_avx2_fma()) return rms_norm_avx2<T>(x, w, residual, out, eps);
-  rms_norm_rows<T>(x, w, residual, out, eps);
+  auto kernel = cpu::has_avx512()     ? rms_norm_avx512<T>
+                : cpu::has_avx2_fma() ? rms_norm_avx2<T>
+                                      : rms_norm_portable<T>;
+  for_row_ranges(rows_of(x), x.shape[x.ndim - 1],
+                 [&](int64_t r0, int64_t r1) { kernel(x, w, residual, out, eps, r0, r1); });
+}
+
+template <typename T>
+void silu_mul_portable(const TensorView& x, const TensorView& out, int64_t r0, int64_t r1) {
+  silu_mul_rows<T>(x, out, r0, r1);
 }
 
 template <typename T>
 SPECINFER_TARGET(SPECINFER_AVX2)
-void silu_mul_avx2(const TensorView& x, const TensorView& out) {
-  silu_mul_rows<T>(x, out);
+void silu_mul_avx2(const TensorView& x, const TensorView& out, int64_t r0, int64_t r1) {
+  silu_mul_rows<T>(x, out, r0, r1);
 }
 
-// AVX-512 (16 lanes) where the CPU has it: silu's exp and divide are most of a decode layer's
-// elementwise work at tree sizes (bf16, 8/32 rows x 1536: 17/63 -> 10/37 us).
+// silu's exp and divide are most of a decode layer's elementwise work at tree sizes.
 template <typename T>
 SPECINFER_TARGET(SPECINFER_AVX512_WIDE)
-void silu_mul_avx512(const TensorView& x, const TensorView& out) {
-  silu_mul_rows<T>(x, out);
+void silu_mul_avx512(const TensorView& x, const TensorView& out, int64_t r0, int64_t r1) {
+  silu_mul_rows<T>(x, out, r0, r1);
 }
 
 template <typename T>
 void silu_mul_run(const TensorView& x, const TensorView& out) {
-  if (cpu::has_avx512()) return silu_mul_avx512<T>(x, out);
-  if (cpu::has_avx2_fma()) return silu_mul_avx2<T>(x, out);
-  silu_mul_rows<T>(x, out);
+  auto kernel = cpu::has_avx512()     ? silu_mul_avx512<T>
+                : cpu::has_avx2_fma() ? silu_mul_avx2<T>
+                                      : silu_mul_portable<T>;
+  for_row_ranges(rows_of(out), out.shape[out.ndim - 1],
+                 [&](int64_t r0, int64_t r1) { kernel(x, out, r0, r1); });
+}
+
+template <typename T, typename C>
+void rotary_portable(const TensorView& x, const TensorView& cos, const TensorView& sin,
+                     const TensorView& positions, int64_t t0, int64_t t1) {
+  rotary_rows<T, C>(x, cos, sin, positions, t0, t1);
 }
 
 template <typename T, typename C>
 SPECINFER_TARGET(SPECINFER_AVX2)
 void rotary_avx2(const TensorView& x, const TensorView& cos, const TensorView& sin,
-                 const TensorView& positions) {
-  rotary_rows<T, C>(x, cos, sin, positions);
+                 const TensorView& positions, int64_t t0, int64_t t1) {
+  rotary_rows<T, C>(x, cos, sin, positions, t0, t1);
 }
 
 template <typename T, typename C>
 SPECINFER_TARGET(SPECINFER_AVX512_WIDE)
 void rotary_avx512(const TensorView& x, const TensorView& cos, const TensorView& sin,
-                   const TensorView& positions) {
-  rotary_rows<T, C>(x, cos, sin, positions);
+                   const TensorView& positions, int64_t t0, int64_t t1) {
+  rotary_rows<T, C>(x, cos, sin, positions, t0, t1);
 }
 
+// Split by token: a token's table rows are looked up once for all its heads.
 template <typename T, typename C>
 void rotary_run(const TensorView& x, const TensorView& cos, const TensorView& sin,
                 const TensorView& positions) {
-  if (cpu::has_avx512()) return rotary_avx512<T, C>(x, cos, sin, positions);
-  if (cpu::has_avx2_fma()) return rotary_avx2<T, C>(x, cos, sin, positions);
-  rotary_rows<T, C>(x, cos, sin, positions);
+  auto kernel = cpu::has_avx512()     ? rotary_avx512<T, C>
+                : cpu::has_avx2_fma() ? rotary_avx2<T, C>
+                                      : rotary_portable<T, C>;
+  const int64_t heads = x.shape[x.ndim - 2];
+  for_row_ranges(rows_of(x) / heads, heads * x.shape[x.ndim - 1],
+                 [&](int64_t t0, int64_t t1) { kernel(x, cos, sin, positions, t0, t1); });
 }
 
 }  // namespace
