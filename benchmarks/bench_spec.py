@@ -545,8 +545,10 @@ def _bars(ax, rows: dict, title: str) -> None:
     for i, t in enumerate(names):
         ax.annotate(f"{rows[t]['tokens_per_step']:.2f} tok/step", (i, rows[t]["ms_per_token"]),
                     ha="center", va="bottom", fontsize=8)  # fmt: skip
-    # A corpus path says little on an axis: its file name; a drafter, then an option, a line.
-    labels = [re.sub(r"corpus=[^,+]*/", "corpus=", t) for t in names]
+    # A corpus path says little on an axis: its file's stem, on a line of its own; a drafter, then
+    # an option, a line.
+    labels = [re.sub(r"corpus=(?:[^,+]*/)?([^,+/]*?)(?:\.jsonl)?(?=[,+]|$)", "corpus=\n\\1", t)
+              for t in names]  # fmt: skip
     labels = [re.sub(r"([+:,])", "\\1\n", t) for t in labels]
     ax.set_xticks(range(len(names)), labels, fontsize=8)
     # Headroom above the tallest bar for its label and a legend.
