@@ -99,3 +99,27 @@ def test_greedy_tokens_is_argmax_first_maximum_included():
     x[2] = 0.0
     assert torch.equal(greedy_tokens(x), x.argmax(-1))
     assert int(greedy_tokens(x[1])) == 10 and int(greedy_tokens(x[2])) == 0
+
+
+def test_sample_all_equals_sampling_each_request_alone():
+    """The engine's batched next tokens (one max over the greedy rows without penalties) are
+    what each request samples alone: greedy, penalised greedy and seeded sampling mixed."""
+    from specinfer.engine.sequence import Sequence
+    from specinfer.engine.spec_step import sample, sample_all
+
+    V = 50
+    kinds = [SamplingParams(), SamplingParams(repetition_penalty=1.5),
+             SamplingParams(temperature=0.8, seed=3), SamplingParams()]  # fmt: skip
+
+    def batch():
+        seqs = [Sequence(str(i), [1, 2, 3], p, None, 64, V, torch.device("cpu"))
+                for i, p in enumerate(kinds)]  # fmt: skip
+        for s in seqs:
+            s.output_ids = [7, 8]
+        return seqs
+
+    logits = torch.randn(len(kinds), V, generator=torch.Generator().manual_seed(0))
+    logits[1, 7] = logits[1].max() + 0.1  # greedy picks 7 unless its penalty applies
+    alone = [sample(s, lg) for s, lg in zip(batch(), logits)]
+    assert sample_all(batch(), logits) == alone
+    assert alone[1] != 7 and alone[0] == int(logits[0].argmax())

@@ -26,7 +26,7 @@ from specinfer.engine.output import append_tokens
 from specinfer.engine.scheduler import Scheduler
 from specinfer.engine.sequence import Completion, RequestOutput
 from specinfer.engine.sequence import Sequence as Seq
-from specinfer.engine.spec_step import sample, speculative_step
+from specinfer.engine.spec_step import sample, sample_all, speculative_step
 from specinfer.offload import check_mode, offload_model
 from specinfer.sampling import SamplingParams
 from specinfer.streaming import TextStream
@@ -282,7 +282,7 @@ class Engine:
             if self.drafter is None:
                 t0 = time.perf_counter()
                 logits = self.runner.decode(self.kv, plan.decode)
-                new = [[sample(s, lg)] for s, lg in zip(plan.decode, logits)]
+                new = [[token] for token in sample_all(plan.decode, logits)]
                 for s in plan.decode:
                     s.metrics["target_s"] += time.perf_counter() - t0
             else:

@@ -50,11 +50,14 @@ def speculative_step(seqs: list[Sequence], kv, runner: ModelRunner, drafter, bud
     if plain:
         logits = runner.decode(kv, seqs)
         t2 = time.perf_counter()
-        verified = [([0], sample(s, lg)) for s, lg in zip(seqs, logits)]
+        verified = [([0], token) for token in sample_all(seqs, logits)]
     else:
         logits = runner.tree(kv, seqs, trees)
         t2 = time.perf_counter()
-        verified = [verify_tree(s, tree, logits[b, : len(tree)], verifier)
+        # Greedy rows without penalties: one max over the batch's trees.
+        argmax = greedy_tokens(logits) if all(_plain_greedy(s) for s in seqs) else None
+        verified = [verify_tree(s, tree, logits[b, : len(tree)], verifier,
+                                None if argmax is None else argmax[b, : len(tree)])
                     for b, (s, tree) in enumerate(zip(seqs, trees))]  # fmt: skip
     paths = [path for path, _ in verified]
     t3 = time.perf_counter()
@@ -113,13 +116,35 @@ def sample(seq: Sequence, logits: torch.Tensor) -> int:
     return next_token(logits, seq.params, seq.generator)
 
 
-def verify_tree(seq: Sequence, tree: TokenTree, logits: torch.Tensor,
-                verifier: str) -> tuple[list[int], int]:  # fmt: skip
-    """The accepted path (node ids from the root) and the target's token after it."""
+def sample_all(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+    """Each sequence's next token from its row of logits [B, V]: the greedy ones without
+    penalties through one max over their rows (a call per row cost ~0.8 ms a step at batch 16),
+    the others one by one."""
+    plain = [b for b, s in enumerate(seqs) if _plain_greedy(s)]
+    tokens = [0] * len(seqs)
+    if plain:
+        rows = logits if len(plain) == len(seqs) else logits[plain]
+        for b, token in zip(plain, greedy_tokens(rows).tolist()):
+            tokens[b] = token
+    for b in sorted(set(range(len(seqs))) - set(plain)):
+        tokens[b] = sample(seqs[b], logits[b])
+    return tokens
+
+
+def _plain_greedy(seq: Sequence) -> bool:
+    """Greedy without penalties: the token is the argmax of the logits as they are."""
+    return seq.params.greedy and not seq.penalties.active
+
+
+def verify_tree(seq: Sequence, tree: TokenTree, logits: torch.Tensor, verifier: str,
+                argmax: torch.Tensor | None = None) -> tuple[list[int], int]:  # fmt: skip
+    """The accepted path (node ids from the root) and the target's token after it. `argmax`:
+    the greedy tokens of the logits' rows, when the caller took them already."""
     if seq.penalties.active:  # node u's logits as incremental decoding would after u's path
         logits = seq.penalties.apply(logits, seq.output_ids, tree.branches())
     if seq.params.greedy:
-        return verify.verify_greedy(tree.parents, tree.tokens, greedy_tokens(logits))
+        argmax = greedy_tokens(logits) if argmax is None else argmax
+        return verify.verify_greedy(tree.parents, tree.tokens, argmax)
     p = probabilities(logits, seq.params.temperature, seq.params.top_k, seq.params.top_p)
     seed = draw_seed(seq.generator)
     if verifier == "naive":
