@@ -360,6 +360,27 @@ def test_a_fresh_budget_keeps_a_drafter_that_pays_through_its_first_timings():
     assert all(0 in run for run in runs)
 
 
+def test_one_stalled_step_does_not_stop_a_drafter_that_pays():
+    """A step stalled for 0.3 s (a full garbage collection) while a drafter that pays (1.4 ms a
+    step, its chains accepted to depth 2) drafted, or while the target ran: every timing counts
+    it at most twice its average, so the drafter drafts on."""
+    for stalled in ("drafting", "forward", "rest"):
+        budget = TreeBudget()
+        runs = []
+        for step in range(40):
+            runs.append(budget.drafts(1))
+            tree = _chain([1, 2, 3, 4]) if runs[-1] else TokenTree(9)
+            stall = 0.3 if step == 20 else 0.0
+            draft_s = 0.0014 + (stall if stalled == "drafting" else 0.0)
+            kept = budget.choose([tree], GREEDY, draft_s=[draft_s if runs[-1] else 0.0])[0]
+            budget.observe([tree], [[0, 1, 2]])
+            width = len(kept)
+            forward = 0.009 + 0.001 * width + (stall if stalled == "forward" else 0.0)
+            rest = 0.0002 + (stall if stalled == "rest" else 0.0)
+            budget.time_step(1, width, forward, rest, draft_s if runs[-1] else None)
+        assert all(0 in run for run in runs), stalled
+
+
 def test_rates_follow_the_verifications():
     budget = TreeBudget()
     assert budget.rate(0, 1) == budget.rate(0, 2) == 0.5

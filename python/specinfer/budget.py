@@ -79,8 +79,12 @@ SEEDED_DEPTH = 1  # levels a sized SSM drafts for a seeded sampling request
 
 
 def _timing_average(old: float | None, new: float) -> float:
-    """A timing's moving average: `new` weighs SMOOTH against the past (`old`; None: none yet)."""
-    return new if old is None else (1 - SMOOTH) * old + SMOOTH * new
+    """A timing's moving average: `new` weighs SMOOTH against the past (`old`; None: none yet),
+    counted at most twice the past: a stall (a full garbage collection: 0.3 s where drafting took
+    0.1 ms; another process) must not price a width or a drafter out for good (a stopped
+    drafter's price is not timed again until it drafts, and a retry that cannot pay on paper
+    does not draft). Real changes still come through, by up to 25% a step."""
+    return new if old is None else (1 - SMOOTH) * old + SMOOTH * min(new, 2 * old)
 
 
 class TreeBudget:
@@ -464,9 +468,7 @@ class TreeBudget:
             self._seen.add((batch, width))
             return
         rows = batch * width
-        old = self.cost.get(rows)
-        # A stall (another process, the OS) must not price a width out for good.
-        self.cost[rows] = _timing_average(old, target_s if old is None else min(target_s, 2 * old))
+        self.cost[rows] = _timing_average(self.cost.get(rows), target_s)
         self._lean_stale_prices(rows)
 
     def _lean_stale_prices(self, timed: int) -> None:

@@ -11,9 +11,12 @@ The proposals are point masses (lossless at any temperature), but they depend on
 requests, so a seeded sampling request, whose seed must reproduce its output whatever was
 served before, gets no suffix drafts.
 
-History is bounded: each n-gram keeps its latest MATCHES occurrences, and past `history`
-tokens the older half is forgotten (the index is Python dicts and lists: about 0.6 KB a token,
-180 MB for 318k tokens). It can start from a corpus: a file of the target's token
+History is bounded: drafting follows an n-gram's latest MATCHES occurrences, and past
+`history` tokens the older half is forgotten. The index holds no container per n-gram (each
+n-gram maps to its latest position, each position links to the one before with the same n-gram,
+in one array per n): Python's garbage collector walks every list it tracks, and with a list per
+n-gram a 318k-token corpus made 0.6M of them, so each full collection stalled the step it fell in
+by 0.2-0.3 s (a suffix drafter timed in such a step looked 90 ms slow and was stopped for good). It can start from a corpus: a file of the target's token
 sequences, one JSON list of ids a line (e.g. its own answers to prompts like those it will serve;
 benchmarks/make_suffix_corpus.py writes one). Spec strings: "suffix", or "suffix:" followed by
 key=value pairs from max_n, depth, branches, history, corpus, e.g.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import json
+from array import array
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,7 +46,7 @@ class SuffixConfig:
     max_n: int = 6
     depth: int = 8
     branches: int = 1
-    history: int = 1 << 19  # tokens remembered (the index takes ~0.6 KB a token)
+    history: int = 1 << 19  # tokens remembered (the index takes ~0.35 KB a token)
     corpus: str = ""  # a file of token sequences the history starts with
 
     def __post_init__(self):
@@ -58,36 +62,51 @@ class SuffixConfig:
 
 
 class History:
-    """Sequences one after another with END between them, and n-gram -> positions after it."""
+    """Sequences one after another with END between them, and per n-gram its occurrences: the
+    positions of the tokens after it, as a chain from the latest back."""
 
     def __init__(self, max_n: int, capacity: int):
         self.max_n, self.capacity = max_n, capacity
-        self.tokens: list[int] = []
-        self.after: dict[tuple[int, ...], list[int]] = {}
+        self.tokens = array("i")
+        self.latest: dict[tuple[int, ...], int] = {}  # n-gram -> its latest position
+        # before[n - 1][p]: the position before p after the same n-gram of n tokens (-1: none)
+        self.before = [array("i") for _ in range(max_n)]
 
     def add(self, seq: list[int]) -> None:
         if len(self.tokens) + len(seq) + 1 > self.capacity:
             self._forget_older_half()
         base = len(self.tokens)
-        self.tokens += seq
+        self.tokens.extend(seq)
         self.tokens.append(END)
-        for e in range(1, len(seq)):  # the n-grams ending before seq[e]
-            for n in range(1, min(self.max_n, e) + 1):
-                positions = self.after.setdefault(tuple(seq[e - n : e]), [])
-                positions.append(base + e)
-                if len(positions) > 2 * MATCHES:
-                    del positions[:-MATCHES]
+        for e in range(len(seq) + 1):  # the n-grams ending before seq[e] (none before END)
+            for n, before in enumerate(self.before, start=1):
+                if n > e or e == len(seq):
+                    before.append(-1)
+                    continue
+                key = tuple(seq[e - n : e])
+                before.append(self.latest.get(key, -1))
+                self.latest[key] = base + e
+
+    def _occurrences(self, key: tuple[int, ...]) -> list[int]:
+        """The positions after `key`'s latest MATCHES occurrences, oldest first."""
+        before, found = self.before[len(key) - 1], []
+        p = self.latest.get(key, -1)
+        while p >= 0 and len(found) < MATCHES:
+            found.append(p)
+            p = before[p]
+        return found[::-1]
 
     def _forget_older_half(self) -> None:
         cut = max(1, len(self.tokens) // 2)
         while cut < len(self.tokens) and self.tokens[cut - 1] != END:  # at a sequence's start
             cut += 1
         kept = self.tokens[cut:]
-        self.tokens, self.after = [], {}
+        self.tokens, self.latest = array("i"), {}
+        self.before = [array("i") for _ in range(self.max_n)]
         start = 0
         for i, token in enumerate(kept):
             if token == END:
-                self.add(kept[start:i])
+                self.add(kept[start:i].tolist())
                 start = i + 1
 
     def chains(self, context: list[int], depth: int,
@@ -95,12 +114,11 @@ class History:
         """Up to `branches` continuations of the longest suffix of `context` found here, each
         token with its share of the occurrences followed there (the drafter's confidence)."""
         for n in range(min(self.max_n, len(context)), 0, -1):
-            positions = self.after.get(tuple(context[-n:]))
+            positions = self._occurrences(tuple(context[-n:]))
             if positions:
                 break
         else:
             return []
-        positions = positions[-MATCHES:]
         firsts = Counter(self.tokens[p] for p in positions)
         chains = []
         for first, count in firsts.most_common(branches):
@@ -137,7 +155,12 @@ class SuffixDrafter:
         self.name = name
         self.history = History(config.max_n, config.history)
         if config.corpus:
-            for seq in read_corpus(config.corpus, vocab_size):
+            corpus = read_corpus(config.corpus, vocab_size)
+            size = sum(len(seq) + 1 for seq in corpus)  # each with its END
+            if size > config.history:  # it would forget half of it before serving anything
+                raise ValueError(f"suffix corpus {config.corpus} holds {size} tokens, more than "
+                                 f"history={config.history}: pass a larger history")  # fmt: skip
+            for seq in corpus:
                 self.history.add(seq)
         self.rows: list[list[int]] = []  # per row: the tokens of the request on it, as last seen
 
