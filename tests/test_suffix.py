@@ -39,27 +39,33 @@ def _paths(drafter: SuffixDrafter, seq: list[int], row: int = 0, params=GREEDY, 
     return paths
 
 
-def test_longest_suffix_then_the_continuation_most_occurrences_share():
+def test_the_longest_suffix_grows_a_tree_of_what_followed_it_best_first():
     history = History(max_n=3, capacity=1000)
     history.add([1, 2, 3, 4, 5])
     history.add([9, 2, 3, 4, 6])
     history.add([7, 3, 4, 6, 8])
-    # (2, 3) occurs twice, (1, 2, 3) never: after (2, 3) come 4 then 5 or 6 (a tie: the first seen)
-    assert _tokens(history, [0, 2, 3], depth=4, branches=1) == [[4, 5]]
-    # (3, 4): three occurrences, two go on with 6; the chain stops where they all end
-    assert _tokens(history, [3, 4], depth=4, branches=1) == [[6, 8]]
-    assert _tokens(history, [3, 4], depth=4, branches=2) == [[6, 8], [5]]
-    assert _tokens(history, [4], depth=1, branches=2) == [[6], [5]]  # 6 twice, then 5
-    assert _tokens(history, [42], depth=4, branches=1) == []  # never seen
-    assert _tokens(history, [5], depth=4, branches=1) == []  # a sequence's end is no continuation
-    # Each token's share of the occurrences followed, over one more: 4 follows both (2, 3), then
-    # 5 one of those two; 6 follows two of three (3, 4), then 8 one of those (the other ends).
-    assert history.chains([2, 3], depth=2, branches=1) == [[(4, 2 / 3), (5, 1 / 3)]]
-    assert history.chains([3, 4], depth=2, branches=1) == [[(6, 2 / 4), (8, 1 / 3)]]
+    # Nodes as (parent's index, -1: the root; token; share of the occurrences the parent's path
+    # kept, over one more). (2, 3) occurs twice, (0, 2, 3) never: 4 followed both, then 5 and 6
+    # one each (a tie: the first seen first); a sequence's end is no continuation.
+    assert history.tree([0, 2, 3], depth=4, nodes=16) == [(-1, 4, 2 / 3), (0, 5, 1 / 3),
+                                                          (0, 6, 1 / 3)]  # fmt: skip
+    assert history.tree([0, 2, 3], depth=4, nodes=2) == [(-1, 4, 2 / 3), (0, 5, 1 / 3)]
+    assert history.tree([0, 2, 3], depth=1, nodes=16) == [(-1, 4, 2 / 3)]
+    # (3, 4): three occurrences, 6 followed two (worth 2/4), 5 one (1/4); after 6 only 8, for one
+    # of its two (worth 2/4 * 1/3 = 1/6): 5 is grown before it.
+    assert history.tree([3, 4], depth=4, nodes=16) == [(-1, 6, 2 / 4), (-1, 5, 1 / 4),
+                                                       (0, 8, 1 / 3)]  # fmt: skip
+    assert history.tree([3, 4], depth=4, nodes=1) == [(-1, 6, 2 / 4)]
+    assert history.tree([42], depth=4, nodes=16) == []  # never seen
+    assert history.tree([5], depth=4, nodes=16) == []  # only a sequence's end followed it
 
 
-def _tokens(history, context, **kwargs):
-    return [[token for token, _ in chain] for chain in history.chains(context, **kwargs)]
+def test_the_tree_branches_where_the_continuations_split_at_any_depth():
+    history = History(max_n=2, capacity=1000)
+    for seq in ([1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 5]):
+        history.add(seq)
+    assert history.tree([1, 2], depth=4, nodes=16) == [(-1, 3, 3 / 4), (0, 4, 2 / 4),
+                                                       (0, 5, 1 / 4)]  # fmt: skip
 
 
 def test_history_forgets_its_older_half_past_its_capacity():
@@ -67,9 +73,9 @@ def test_history_forgets_its_older_half_past_its_capacity():
     history.add([1, 2, 3])
     history.add([4, 5, 6])
     history.add([7, 8, 9])  # 12 tokens with the ends: the older half, [1, 2, 3], goes
-    assert _tokens(history, [1], depth=2, branches=1) == []
-    assert _tokens(history, [4], depth=2, branches=1) == [[5, 6]]
-    assert _tokens(history, [7], depth=2, branches=1) == [[8, 9]]
+    assert history.tree([1], depth=2, nodes=4) == []
+    assert history.tree([4], depth=2, nodes=4) == [(-1, 5, 1 / 2), (0, 6, 1 / 2)]
+    assert history.tree([7], depth=2, nodes=4) == [(-1, 8, 1 / 2), (0, 9, 1 / 2)]
     assert len(history.tokens) == 8
 
 
@@ -148,7 +154,7 @@ def test_greedy_with_suffix_drafts_equals_incremental(tiny_pair):  # noqa: F811
     prompts = [PROMPT, [5, 5, 1, 0, 2], PROMPT, [2, 3], [5, 5, 1, 0, 2], PROMPT]
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     reference = Engine(target, dtype="float32").generate(prompts, params)
-    for ssm in (["suffix"], [other, "ngram", "suffix:max_n=3,depth=4,branches=2"]):
+    for ssm in (["suffix"], [other, "ngram", "suffix:max_n=3,depth=4,nodes=6"]):
         engine = Engine(target, dtype="float32", ssm=ssm, tree="2,1", max_batch_size=2,
                         adaptive_tree=False)  # fmt: skip
         outs = engine.generate(prompts, params)
@@ -166,7 +172,7 @@ def test_sampling_with_suffix_drafts_matches_incremental_distribution(tiny_pair,
     tails = [[0, 1, 2, 3], [4, 4, 5], [1, 1, 0], [2, 5, 3, 3]]
     corpus.write_text("".join(json.dumps(PROMPT + t) + "\n" for t in tails))
     engine = Engine(target, dtype="float32", max_batch_size=512, adaptive_tree=False,
-                    ssm=[f"suffix:corpus={corpus},max_n=3,depth=3,branches=2"])  # fmt: skip
+                    ssm=[f"suffix:corpus={corpus},max_n=3,depth=3,nodes=6"])  # fmt: skip
     params = [SamplingParams(max_tokens=3, ignore_eos=True, **PARAMS) for _ in range(SAMPLES)]
     outs = engine.generate([PROMPT] * SAMPLES, params)
     counts = Counter(tuple(o.token_ids[:3]) for o in outs)

@@ -3,9 +3,13 @@
 Prompt lookup ("ngram") searches the request itself; this drafter searches what the engine has
 served before (prompt + output of every request that left its row), where a model's answers to
 similar questions repeat whole phrases (SuffixDecoding, REST). It finds the longest n-gram
-(n from max_n down to 1) that ends the context and occurs in that history, then follows the
-continuation most of those occurrences share, token by token (occurrences that disagree drop
-out): a chain, or with branches=b the b most common first tokens, each followed that way.
+(n from max_n down to 1) that ends the context and occurs in that history, and proposes what
+followed those occurrences as a tree, grown best first (as SuffixDecoding does): a node's token
+has a share of the occurrences its parent's path kept, a path is worth the product of its
+shares, and the `nodes` most worthy paths, up to `depth` tokens, make the tree. So it branches
+where the earlier continuations split, at any depth (measured on the 60 held-out prompts'
+answers, merged with prompt lookup and verified whole: 2.47 tokens a step against 2.29 for two
+chains of 8 nodes each, which branched at the root only).
 
 The proposals are point masses (lossless at any temperature), but they depend on other
 requests, so a seeded sampling request, whose seed must reproduce its output whatever was
@@ -19,18 +23,20 @@ n-gram a 318k-token corpus made 0.6M of them, so each full collection stalled th
 by 0.2-0.3 s (a suffix drafter timed in such a step looked 90 ms slow and was stopped for good). It can start from a corpus: a file of the target's token
 sequences, one JSON list of ids a line (e.g. its own answers to prompts like those it will serve;
 benchmarks/make_suffix_corpus.py writes one). Spec strings: "suffix", or "suffix:" followed by
-key=value pairs from max_n, depth, branches, history, corpus, e.g.
+key=value pairs from max_n, depth, nodes, history, corpus, e.g.
 "suffix:max_n=4,depth=6,corpus=answers.jsonl".
 """
 
 from __future__ import annotations
 
 import copy
+import heapq
 import json
 from array import array
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import count
 from pathlib import Path
 
 from specinfer.budget import must_draft
@@ -45,16 +51,16 @@ END = -1  # between sequences in the history: no continuation runs past it
 class SuffixConfig:
     max_n: int = 6
     depth: int = 8
-    branches: int = 1
+    nodes: int = 16  # the tree's size, root not counted
     history: int = 1 << 19  # tokens remembered (the index takes ~0.35 KB a token)
     corpus: str = ""  # a file of token sequences the history starts with
 
     def __post_init__(self):
-        require_positive(self, "suffix", ["max_n", "depth", "branches", "history"])
+        require_positive(self, "suffix", ["max_n", "depth", "nodes", "history"])
 
     @property
     def num_nodes(self) -> int:
-        return 1 + self.depth * self.branches
+        return 1 + self.nodes
 
     @classmethod
     def parse(cls, spec: str) -> SuffixConfig:
@@ -109,32 +115,37 @@ class History:
                 self.add(kept[start:i].tolist())
                 start = i + 1
 
-    def chains(self, context: list[int], depth: int,
-               branches: int) -> list[list[tuple[int, float]]]:  # fmt: skip
-        """Up to `branches` continuations of the longest suffix of `context` found here, each
-        token with its share of the occurrences followed there (the drafter's confidence)."""
+    def tree(self, context: list[int], depth: int, nodes: int) -> list[tuple[int, int, float]]:
+        """What followed the longest suffix of `context` found here, as a tree of up to `nodes`
+        nodes, up to `depth` deep, grown best first: per node (its parent's index in the list,
+        -1 for the root; its token; its share of the occurrences its parent's path kept, the
+        drafter's confidence), parents first, a node's children most worthy first."""
         for n in range(min(self.max_n, len(context)), 0, -1):
             positions = self._occurrences(tuple(context[-n:]))
             if positions:
                 break
         else:
             return []
-        firsts = Counter(self.tokens[p] for p in positions)
-        chains = []
-        for first, count in firsts.most_common(branches):
-            chain = [(first, _share(count, len(positions)))]
-            alive = [p for p in positions if self.tokens[p] == first]
-            while len(chain) < depth:
-                counts = Counter(self.tokens[p + len(chain)] for p in alive)
-                total = len(alive)  # an end of a sequence counts against every token
-                counts.pop(END, None)
-                if not counts:
-                    break
-                token, count = counts.most_common(1)[0]
-                alive = [p for p in alive if self.tokens[p + len(chain)] == token]
-                chain.append((token, _share(count, total)))
-            chains.append(chain)
-        return chains
+        out, frontier, order = [], [], count()
+
+        def offer(parent: int, alive: list[int], offset: int, worth: float) -> None:
+            """The children of the node `parent` (the occurrences `alive` still follow, `offset`
+            tokens on), onto the frontier by the worth of their paths."""
+            counts = Counter(self.tokens[p + offset] for p in alive)
+            counts.pop(END, None)  # an end of a sequence counts against every token
+            for token, seen in counts.items():
+                share = _share(seen, len(alive))
+                heapq.heappush(frontier, (-worth * share, next(order), parent, token, share,
+                                          alive, offset))  # fmt: skip
+
+        offer(-1, positions, 0, 1.0)
+        while frontier and len(out) < nodes:
+            worth, _, parent, token, share, alive, offset = heapq.heappop(frontier)
+            out.append((parent, token, share))
+            if offset + 1 < depth:
+                kept = [p for p in alive if self.tokens[p + offset] == token]
+                offer(len(out) - 1, kept, offset + 1, -worth)
+        return out
 
 
 def _share(count: int, total: int) -> float:
@@ -193,12 +204,9 @@ class SuffixDrafter:
             tree = TokenTree(seq[-1])
             depth = min(self.config.depth, max_depth)
             if depth > 0 and not must_draft(r.params):
-                chains = self.history.chains(seq, depth, self.config.branches)
-                ends = [0] * len(chains)
-                for d in range(max(map(len, chains), default=0)):  # level by level, as SSMs number
-                    for i, chain in enumerate(chains):
-                        if d < len(chain):
-                            ends[i] = tree.propose_once(ends[i], *chain[d])
+                ids = []
+                for parent, token, share in self.history.tree(seq, depth, self.config.nodes):
+                    ids.append(tree.propose_once(ids[parent] if parent >= 0 else 0, token, share))
             trees.append(tree)
         return trees
 
