@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         help="speculative model: a model path, layers:L (the target's first L layers), default "
         "(the SSM shipped for the default model), feature (its feature head; feature:PATH for "
         "one trained with train-ssm --kind feature), or ngram[:max_n=3,min_n=3,depth=8,branches=1] "
-        "(prompt lookup), or suffix[:max_n=6,depth=8,corpus=PATH] (continuations from earlier "
+        "(prompt lookup), or suffix[:max_n=6,depth=8,nodes=16,corpus=PATH] (continuations from earlier "
         "requests); repeat it to merge their trees. Default: default and ngram for the "
         "default model, ngram for others (turn off with --mode incremental)",
     )
