@@ -51,6 +51,8 @@ def test_the_longest_suffix_grows_a_tree_of_what_followed_it_best_first():
                                                           (0, 6, 1 / 3)]  # fmt: skip
     assert history.tree([0, 2, 3], depth=4, nodes=2) == [(-1, 4, 2 / 3), (0, 5, 1 / 3)]
     assert history.tree([0, 2, 3], depth=1, nodes=16) == [(-1, 4, 2 / 3)]
+    # (1, 2, 3) occurs once: the shorter (2, 3), seen twice, says more.
+    assert history.tree([1, 2, 3], depth=4, nodes=16) == history.tree([0, 2, 3], depth=4, nodes=16)
     # (3, 4): three occurrences, 6 followed two (worth 2/4), 5 one (1/4); after 6 only 8, for one
     # of its two (worth 2/4 * 1/3 = 1/6): 5 is grown before it.
     assert history.tree([3, 4], depth=4, nodes=16) == [(-1, 6, 2 / 4), (-1, 5, 1 / 4),

@@ -3,8 +3,9 @@
 Prompt lookup ("ngram") searches the request itself; this drafter searches what the engine has
 served before (prompt + output of every request that left its row), where a model's answers to
 similar questions repeat whole phrases (SuffixDecoding, REST). It finds the longest n-gram
-(n from max_n down to 1) that ends the context and occurs in that history, and proposes what
-followed those occurrences as a tree, grown best first (as SuffixDecoding does): a node's token
+(n from max_n down to 1) that ends the context and occurs in that history (twice, if some
+suffix does), and proposes what followed those occurrences as a tree, grown best first (as
+SuffixDecoding does): a node's token
 has a share of the occurrences its parent's path kept, a path is worth the product of its
 shares, and the `nodes` most worthy paths, up to `depth` tokens, make the tree. So it branches
 where the earlier continuations split, at any depth (two chains of 8 tokens each, branching at
@@ -102,6 +103,19 @@ class History:
             p = before[p]
         return found[::-1]
 
+    def _longest_match(self, context: list[int]) -> list[int]:
+        """The occurrences of the longest suffix of `context` seen here at least twice, else of
+        the longest seen once: one earlier occurrence of a long n-gram says less than several of
+        a shorter one (n-gram + suffix on the 60 held-out prompts: 2.53 tokens a step against
+        2.48 taking the longest seen once, bench_spec.py --sections paired)."""
+        once: list[int] = []
+        for n in range(min(self.max_n, len(context)), 0, -1):
+            found = self._occurrences(tuple(context[-n:]))
+            if len(found) >= 2:
+                return found
+            once = once or found
+        return once
+
     def _forget_older_half(self) -> None:
         cut = max(1, len(self.tokens) // 2)
         while cut < len(self.tokens) and self.tokens[cut - 1] != END:  # at a sequence's start
@@ -120,11 +134,8 @@ class History:
         nodes, up to `depth` deep, grown best first: per node (its parent's index in the list,
         -1 for the root; its token; its share of the occurrences its parent's path kept, the
         drafter's confidence), parents first, a node's children most worthy first."""
-        for n in range(min(self.max_n, len(context)), 0, -1):
-            positions = self._occurrences(tuple(context[-n:]))
-            if positions:
-                break
-        else:
+        positions = self._longest_match(context)
+        if not positions:
             return []
         out, frontier, order = [], [], count()
 
