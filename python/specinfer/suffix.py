@@ -5,12 +5,11 @@ served before (prompt + output of every request that left its row), where a mode
 similar questions repeat whole phrases (SuffixDecoding, REST). It finds the longest n-gram
 (n from max_n down to 1) that ends the context and occurs in that history (twice, if some
 suffix does), and proposes what followed those occurrences as a tree, grown best first (as
-SuffixDecoding does): a node's token
-has a share of the occurrences its parent's path kept, a path is worth the product of its
-shares, and the `nodes` most worthy paths, up to `depth` tokens, make the tree. So it branches
-where the earlier continuations split, at any depth (two chains of 8 tokens each, branching at
-the root only, gave n-gram + suffix 2.38-2.40 tokens a step on the 60 held-out prompts; this tree
-2.48, bench_spec.py --sections paired).
+SuffixDecoding does): a node's token has a share of the occurrences its parent's path kept, a
+path is worth the product of its shares, and the `nodes` most worthy paths, up to `depth`
+tokens, make the tree. So it branches where the earlier continuations split, at any depth (two
+chains of 8 tokens each, branching at the root only, gave n-gram + suffix 2.38-2.40 tokens a step
+on the 60 held-out prompts; this tree 2.48, bench_spec.py --sections paired).
 
 The proposals are point masses (lossless at any temperature), but they depend on other
 requests, so a seeded sampling request, whose seed must reproduce its output whatever was
@@ -21,11 +20,11 @@ History is bounded: drafting follows an n-gram's latest MATCHES occurrences, and
 n-gram maps to its latest position, each position links to the one before with the same n-gram,
 in one array per n): Python's garbage collector walks every list it tracks, and with a list per
 n-gram a 318k-token corpus made 0.6M of them, so each full collection stalled the step it fell in
-by 0.2-0.3 s (a suffix drafter timed in such a step looked 90 ms slow and was stopped for good). It can start from a corpus: a file of the target's token
-sequences, one JSON list of ids a line (e.g. its own answers to prompts like those it will serve;
-benchmarks/make_suffix_corpus.py writes one). Spec strings: "suffix", or "suffix:" followed by
-key=value pairs from max_n, depth, nodes, history, corpus, e.g.
-"suffix:max_n=4,depth=6,corpus=answers.jsonl".
+by 0.2-0.3 s (a suffix drafter timed in such a step looked 90 ms slow and was stopped for good).
+It can start from a corpus: a file of the target's token sequences, one JSON list of ids a
+line (e.g. its own answers to prompts like those it will serve; benchmarks/make_suffix_corpus.py
+writes one). Spec strings: "suffix", or "suffix:" followed by key=value pairs from max_n, depth,
+nodes, history, corpus, e.g. "suffix:max_n=4,depth=6,corpus=answers.jsonl".
 """
 
 from __future__ import annotations
@@ -130,7 +129,7 @@ class History:
                 start = i + 1
 
     def tree(self, context: list[int], depth: int, nodes: int) -> list[tuple[int, int, float]]:
-        """What followed the longest suffix of `context` found here, as a tree of up to `nodes`
+        """What followed the suffix of `context` `_longest_match` finds, as a tree of up to `nodes`
         nodes, up to `depth` deep, grown best first: per node (its parent's index in the list,
         -1 for the root; its token; its share of the occurrences its parent's path kept, the
         drafter's confidence), parents first, a node's children most worthy first."""
