@@ -153,6 +153,21 @@ def test_greedy_with_penalties_equals_incremental(tiny_pair, ssm, tree, adaptive
     assert not adaptive or spec.budget.cut > 0, "nothing was cut: the cut untested"
 
 
+def test_a_tree_batch_mixing_penalised_and_plain_greedy_requests_equals_incremental(tiny_pair):  # noqa: F811
+    """Plain greedy rows take their tokens from one max over the batch; penalised rows in the
+    same step must still be verified on their penalised logits."""
+    target, other = tiny_pair
+    prompts = [PROMPT, [3], [5, 5, 1, 0, 2, 4, 4], [2, 3]]
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, **(PENALTIES if i % 2 else {}))
+              for i in range(len(prompts))]  # fmt: skip
+    reference = Engine(target, dtype="float32").generate(prompts, params)
+    spec = Engine(target, dtype="float32", ssm=other, tree="2,2,1", max_batch_size=4,
+                  adaptive_tree=False)  # fmt: skip
+    outs = spec.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    assert all(o.metrics["accepted_per_depth"] for o in outs[:2]), "speculation untested"
+
+
 def test_greedy_check_detects_penalties_ignoring_the_node_path(tiny_pair, monkeypatch):  # noqa: F811
     """A verifier that penalises every node by the committed output alone (not its own path)
     diverges from incremental decoding: the test above can fail."""

@@ -84,14 +84,16 @@ class History:
         base = len(self.tokens)
         self.tokens.extend(seq)
         self.tokens.append(END)
-        for e in range(len(seq) + 1):  # the n-grams ending before seq[e] (none before END)
+        for e in range(len(seq)):  # the n-grams ending before seq[e]
             for n, before in enumerate(self.before, start=1):
-                if n > e or e == len(seq):
+                if n > e:
                     before.append(-1)
                     continue
                 key = tuple(seq[e - n : e])
                 before.append(self.latest.get(key, -1))
                 self.latest[key] = base + e
+        for before in self.before:  # END: no n-gram is followed by it
+            before.append(-1)
 
     def _occurrences(self, key: tuple[int, ...]) -> list[int]:
         """The positions after `key`'s latest MATCHES occurrences, oldest first."""

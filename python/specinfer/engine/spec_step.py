@@ -55,9 +55,10 @@ def speculative_step(seqs: list[Sequence], kv, runner: ModelRunner, drafter, bud
         logits = runner.tree(kv, seqs, trees)
         t2 = time.perf_counter()
         # Greedy rows without penalties: one max over the batch's trees.
-        argmax = greedy_tokens(logits) if all(_plain_greedy(s) for s in seqs) else None
+        plain_greedy = [_plain_greedy(s) for s in seqs]
+        argmax = greedy_tokens(logits) if any(plain_greedy) else None
         verified = [verify_tree(s, tree, logits[b, : len(tree)], verifier,
-                                None if argmax is None else argmax[b, : len(tree)])
+                                argmax[b, : len(tree)] if plain_greedy[b] else None)
                     for b, (s, tree) in enumerate(zip(seqs, trees))]  # fmt: skip
     paths = [path for path, _ in verified]
     t3 = time.perf_counter()
