@@ -189,33 +189,38 @@ void run_block(const W* w, int64_t w_stride, const XTiles& x, float* staged) {
   }
 }
 
-// A thread's blocks [begin, end). Each block's outputs are written while the next one computes:
-// read back at once, the tile stores would stall the loads.
+// A thread's blocks [begin, end), kGroupBlocks at a time: a group's blocks compute, then their
+// outputs are written. Writing each block while the next computes (read back at once, the tile
+// stores stall the loads) left memory idle once per block: the 120 projections of SmolLM2-135M
+// took 0.9 ms longer at 5 x rows than at one, now 0.3 (2 threads, weights from DRAM).
+constexpr int64_t kGroupBlocks = 16;  // 32 KB staged per x tile: stays in L1
+
 template <bool kInt8, typename W>
 void run_blocks(const LinearProblem& p, const XTiles& x, int64_t begin, int64_t end) {
-  const int64_t stage_floats = (x.m_tiles + 1) * 2 * kTileFloats;  // x tiles rounded up to pairs
-  float* stages = thread_scratch<float, 2>(2 * stage_floats);
+  const int64_t stage_floats = x.m_tiles * 2 * kTileFloats;  // a block's accumulators
+  float* stages = thread_scratch<float, 2>(kGroupBlocks * stage_floats);
   const W* w = static_cast<const W*>(p.w);
-  const auto write = [&](int64_t b) {
-    write_block<kInt8>(p, stages + (b % 2) * stage_floats, b * kBlockRows,
-                       std::min<int64_t>(kBlockRows, p.N - b * kBlockRows), x.m_tiles);
-  };
-  for (int64_t b = begin; b < end; ++b) {
-    const int64_t n0 = b * kBlockRows, n_rows = std::min<int64_t>(kBlockRows, p.N - n0);
-    float* staged = stages + (b % 2) * stage_floats;
-    if (n_rows == kBlockRows) {
-      run_block<kInt8>(w + n0 * p.w_stride, p.w_stride, x, staged);
-    } else {  // the last, partial block: its rows copied, zero-padded, so no tile reads past w
-      W* rows = thread_scratch<W, 3>(kBlockRows * p.K);
-      std::memset(rows, 0, size_t(kBlockRows * p.K) * sizeof(W));
-      for (int64_t n = 0; n < n_rows; ++n) {
-        std::memcpy(rows + n * p.K, w + (n0 + n) * p.w_stride, size_t(p.K) * sizeof(W));
+  for (int64_t group = begin; group < end; group += kGroupBlocks) {
+    const int64_t group_end = std::min(end, group + kGroupBlocks);
+    for (int64_t b = group; b < group_end; ++b) {
+      const int64_t n0 = b * kBlockRows, n_rows = std::min<int64_t>(kBlockRows, p.N - n0);
+      float* staged = stages + (b - group) * stage_floats;
+      if (n_rows == kBlockRows) {
+        run_block<kInt8>(w + n0 * p.w_stride, p.w_stride, x, staged);
+      } else {  // the last, partial block: its rows copied, zero-padded, so no tile reads past w
+        W* rows = thread_scratch<W, 3>(kBlockRows * p.K);
+        std::memset(rows, 0, size_t(kBlockRows * p.K) * sizeof(W));
+        for (int64_t n = 0; n < n_rows; ++n) {
+          std::memcpy(rows + n * p.K, w + (n0 + n) * p.w_stride, size_t(p.K) * sizeof(W));
+        }
+        run_block<kInt8>(rows, p.K, x, staged);
       }
-      run_block<kInt8>(rows, p.K, x, staged);
     }
-    if (b > begin) write(b - 1);
+    for (int64_t b = group; b < group_end; ++b) {
+      write_block<kInt8>(p, stages + (b - group) * stage_floats, b * kBlockRows,
+                         std::min<int64_t>(kBlockRows, p.N - b * kBlockRows), x.m_tiles);
+    }
   }
-  if (end > begin) write(end - 1);
 }
 
 // W: the weight's element (bf16 bits, or 8-bit codes); x has the same element size.
