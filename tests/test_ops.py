@@ -436,7 +436,11 @@ def test_tree_attention_cuda_errors():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 8, 13, 64])
-@pytest.mark.parametrize("n,k", [(576, 576), (192, 576), (7, 33), (1, 1), (13, 100), (37, 1536)])
+# (1100, 64): 35 blocks of 32 weight rows on AMX, written 16 blocks at a time: several groups,
+# the last one short, ending in a partial block.
+@pytest.mark.parametrize(
+    "n,k", [(576, 576), (192, 576), (7, 33), (1, 1), (13, 100), (37, 1536), (1100, 64)]
+)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_matches_torch(dtype, rows, n, k, with_bias):
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
@@ -453,7 +457,7 @@ def test_linear_matches_torch(dtype, rows, n, k, with_bias):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n,k", [(96, 576), (200, 77), (37, 1536), (9, 5)])
+@pytest.mark.parametrize("n,k", [(96, 576), (200, 77), (37, 1536), (9, 5), (1100, 64)])
 def test_linear_row_does_not_depend_on_the_other_rows(dtype, n, k):
     """Each output row is summed in the same order whatever the row count, so a tree's (or a
     batch's) rows equal, bit for bit, the rows computed one at a time."""
