@@ -676,12 +676,17 @@ def test_exact_joint_is_a_distribution(exact):
     assert set(exact) == set(product(range(VOCAB), repeat=3))
 
 
-def test_sampling_with_cut_trees_matches_incremental_distribution(tiny_pair, exact, monkeypatch):
-    """Unseeded requests (seeded ones keep whole trees, to reproduce); their generators are
-    seeded here from a counter so the test itself is reproducible."""
+@pytest.fixture
+def counted_seeds(monkeypatch):
+    """Unseeded requests' generators seeded from a counter, so a statistical test over them is
+    reproducible (unseeded, a fair sampler fails a p > 0.01 test in 1% of runs)."""
     seeds = count()
     monkeypatch.setattr(specinfer.engine.sequence, "make_generator",
                         lambda seed, device: torch.Generator(device).manual_seed(next(seeds)))  # fmt: skip
+
+
+def test_sampling_with_cut_trees_matches_incremental_distribution(tiny_pair, exact, counted_seeds):
+    """Unseeded requests (seeded ones keep whole trees, to reproduce), seeded from a counter."""
     engine = _speculative_engine(tiny_pair, tree=TreeConfig((2, 2)))
     engine.budget = SteepCosts()
     stat, p = _chi_squared_p(_sample_first3(engine, seeded=False), exact, SAMPLES)

@@ -4,21 +4,19 @@ import gc
 import json
 import random
 from collections import Counter
-from itertools import count
 from types import SimpleNamespace
 
 import pytest
-import torch
 
-import specinfer.engine.sequence
 from specinfer import Engine, SamplingParams
 from specinfer.suffix import History, SuffixConfig, SuffixDrafter
-from test_speculative import (  # noqa: F401 (tiny_pair is a fixture)
+from test_speculative import (  # noqa: F401 (tiny_pair, counted_seeds are fixtures)
     PARAMS,
     PROMPT,
     SAMPLES,
     _chi_squared_p,
     _exact_joint,
+    counted_seeds,
     tiny_pair,
 )
 
@@ -169,15 +167,14 @@ def test_greedy_with_suffix_drafts_equals_incremental(tiny_pair):  # noqa: F811
         assert sum(s["accepted"] for s in suffix[2:]) > 0  # it drafted, and was right
 
 
-def test_sampling_with_suffix_drafts_matches_incremental_distribution(tiny_pair, tmp_path,  # noqa: F811
-                                                                     monkeypatch):  # fmt: skip
+def test_sampling_with_suffix_drafts_matches_incremental_distribution(
+    tiny_pair,  # noqa: F811
+    tmp_path,
+    counted_seeds,  # noqa: F811
+):
     """Unseeded sampling (seeded requests get no suffix drafts) from a corpus that continues the
     prompt in several ways: the first three tokens' joint distribution is incremental's. The
-    requests' generators are seeded here from a counter, so the test is reproducible (unseeded,
-    a fair sampler fails 1% of runs: it did once)."""
-    seeds = count()
-    monkeypatch.setattr(specinfer.engine.sequence, "make_generator",
-                        lambda seed, device: torch.Generator(device).manual_seed(next(seeds)))  # fmt: skip
+    requests' generators are seeded from a counter (`counted_seeds`: unseeded, it failed once)."""
     target = tiny_pair[0]
     corpus = tmp_path / "corpus.jsonl"
     tails = [[0, 1, 2, 3], [4, 4, 5], [1, 1, 0], [2, 5, 3, 3]]
