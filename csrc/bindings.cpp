@@ -232,6 +232,14 @@ void topk_expand(py::handle logits, int64_t k, float temperature, py::handle tok
 #endif
 }
 
+void argmax(py::handle logits, py::handle out) {
+  const std::string op = "argmax";
+  OpGraph::refuse(op);
+  Borrowed blogits = borrow(logits, op, "logits"), bout = borrow(out, op, "out");
+  py::gil_scoped_release release;
+  argmax_cpu(blogits.view, bout.view);
+}
+
 void rms_norm(py::handle x, py::handle weight, py::handle residual, py::handle out, float eps) {
   const std::string op = "rms_norm";
   Borrowed bx = borrow(x, op, "x"), bw = borrow(weight, op, "weight"),
@@ -344,6 +352,10 @@ PYBIND11_MODULE(_C, m) {
         py::arg("accepted"), py::arg("stream") = 0,
         "Moves each request's accepted tree nodes' K/V to consecutive slots in every cache "
         "(semantics: specinfer.ops.kv_commit_reference). Index tensors must be on cpu.");
+  m.def("argmax", &argmax, py::arg("logits"), py::arg("out"),
+        "Into `out` [rows] int64: the index of the first maximum of each row of `logits` "
+        "[rows, vocab] (float32 or bfloat16, on cpu), a NaN counting as the maximum, as "
+        "torch.max does.");
   m.def("topk_expand", &topk_expand, py::arg("logits"), py::arg("k"), py::arg("temperature"),
         py::arg("tokens"), py::arg("probs"), py::arg("stream") = 0,
         "The k most likely tokens of softmax(logits / temperature) and their probabilities into "

@@ -49,6 +49,8 @@ void kv_commit_cuda(const std::vector<TensorView>& caches, const std::vector<KvM
 // --- topk_expand (see topk_expand_reference in python/specinfer/ops.py) ---
 namespace specinfer {
 
+// out[N] int64: the index of each row's first maximum, a NaN counting as the maximum (torch.max).
+void argmax_cpu(const TensorView& logits, const TensorView& out);
 // tokens[N, k] int64 and probs[N, k] float32: the k most likely tokens of softmax(logits / t).
 void topk_expand_cpu(const TensorView& logits, int64_t k, float temperature,
                      const TensorView& tokens, const TensorView& probs);

@@ -1,5 +1,5 @@
-"""The speculative-decoding ops (tree attention over a wider mask, kv_commit, topk_expand) against
-their pure-torch references in specinfer.ops."""
+"""The speculative-decoding ops (tree attention over a wider mask, kv_commit, topk_expand, argmax)
+against their pure-torch references in specinfer.ops."""
 
 from __future__ import annotations
 
@@ -400,6 +400,62 @@ def test_topk_expand_kernel_errors(logits, tokens, probs, message):
         tokens, probs = tokens[:, :2], probs[:, :2]
     with pytest.raises(ValueError, match=message):
         _C.topk_expand(logits, k, 1.0, tokens, probs)
+
+
+# --- argmax (every greedy token a step keeps) ---
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    rows=st.integers(1, 6),
+    vocab=st.integers(1, 300),
+    levels=st.sampled_from([None, 3]),
+    specials=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 299),
+                                st.sampled_from([math.nan, math.inf, -math.inf])), max_size=5),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**31),
+)  # fmt: skip
+def test_argmax_is_torch_max_first_maximum(rows, vocab, levels, specials, dtype, seed):
+    """The first maximum (ties are common with `levels`), a NaN counting as the maximum, +-inf
+    as values: torch.max's indices, for vocabularies short of, at and past the kernel's lanes."""
+    logits = random_logits(rows, vocab, levels, seed)
+    for r, c, value in specials:
+        logits[r % rows, c % vocab] = value
+    logits = logits.to(dtype)
+    assert torch.equal(ops.argmax(logits), logits.max(-1).indices)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_vocabulary_rows(dtype):
+    """SmolLM2's vocabulary in enough rows to run in parallel, as a strided view and as [B, T, V];
+    the maximum in the last lane block, the tail and twice in a row; a row of -inf only."""
+    gen = torch.Generator().manual_seed(7)
+    logits = (torch.randn(2, 5, 49152 + 3, generator=gen) * 3).to(dtype)[..., :49152]
+    logits[0, 0, 49151] = 100.0  # the last element (a tail past 49152 // 16 blocks is empty)
+    logits[0, 1, 49140] = logits[0, 1, 49141] = 100.0
+    logits[0, 2, 5] = logits[0, 2, 40000] = 100.0
+    logits[1, 0] = -math.inf
+    logits[1, 1, 17] = math.nan
+    tokens = ops.argmax(logits)
+    assert tokens.shape == (2, 5)
+    assert torch.equal(tokens, logits.max(-1).indices)
+    assert tokens[0, :3].tolist() == [49151, 49140, 5] and tokens[1, :2].tolist() == [0, 17]
+    assert int(ops.argmax(logits[0, 3])) == int(logits[0, 3].max(-1).indices)
+
+
+@pytest.mark.parametrize(
+    "logits,out,message",
+    [
+        (torch.zeros(2, 5, dtype=torch.int32), torch.zeros(2, dtype=torch.int64), "logits"),
+        (torch.zeros(2, 5), torch.zeros(2, dtype=torch.int32), "out must be int64"),
+        (torch.zeros(2, 5), torch.zeros(3, dtype=torch.int64), "out"),
+        (torch.zeros(2, 0), torch.zeros(2, dtype=torch.int64), "no columns"),
+        (torch.zeros(2, 5)[:, ::2], torch.zeros(2, dtype=torch.int64), "logits"),
+    ],
+)
+def test_argmax_kernel_errors(logits, out, message):
+    with pytest.raises(ValueError, match=message):
+        _C.argmax(logits, out)
 
 
 # --- topk_expand on cuda ---

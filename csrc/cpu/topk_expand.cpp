@@ -1,6 +1,6 @@
 // topk_expand on cpu: per row, a vectorised max and exp-sum give the softmax normaliser, and one
 // scalar pass keeps the k best logits in a small heap (exp is monotone, so ranking by logit is
-// ranking by probability, without rounding ties).
+// ranking by probability, without rounding ties). argmax: the top 1 alone, in one vectorised pass.
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -133,8 +133,103 @@ void run(const TensorView& logits, int64_t k, float inv_t, const TensorView& tok
   }
 }
 
+constexpr int kArgmaxLanes = 16;
+
+// The index of the first maximum of a row; a NaN counts as the maximum (as in torch.max). Each
+// lane keeps its largest value and where it first saw it, so the smallest index among the lanes
+// holding the maximum is the row's first.
+template <typename T>
+SPECINFER_INLINE int64_t argmax_row(const T* x, int64_t n) {
+  float best[kArgmaxLanes];
+  int32_t where[kArgmaxLanes], nan[kArgmaxLanes];
+  std::fill(best, best + kArgmaxLanes, -INFINITY);
+  std::fill(where, where + kArgmaxLanes, 0);
+  std::fill(nan, nan + kArgmaxLanes, 0);
+  int32_t i = 0;
+  for (; i + kArgmaxLanes <= n; i += kArgmaxLanes) {
+#pragma omp simd
+    for (int j = 0; j < kArgmaxLanes; ++j) {
+      const float v = to_float(x[i + j]);
+      const bool more = v > best[j];
+      best[j] = more ? v : best[j];
+      where[j] = more ? i + j : where[j];
+      nan[j] |= v != v;
+    }
+  }
+  int64_t first = 0;
+  float m = -INFINITY;
+  bool any_nan = false;
+  for (int j = 0; j < kArgmaxLanes; ++j) {
+    any_nan |= nan[j] != 0;
+    if (best[j] > m || (best[j] == m && where[j] < first)) m = best[j], first = where[j];
+  }
+  for (; i < n; ++i) {  // the tail's indices come after every lane's
+    const float v = to_float(x[i]);
+    any_nan |= v != v;
+    if (v > m) m = v, first = i;
+  }
+  if (any_nan) {
+    for (int64_t t = 0; t < n; ++t) {
+      if (std::isnan(to_float(x[t]))) return t;
+    }
+  }
+  return first;
+}
+
+template <typename T>
+SPECINFER_TARGET(SPECINFER_AVX512_WIDE)
+int64_t argmax_row_avx512(const T* x, int64_t n) {
+  return argmax_row(x, n);
+}
+
+template <typename T>
+SPECINFER_TARGET(SPECINFER_AVX2)
+int64_t argmax_row_avx2(const T* x, int64_t n) {
+  return argmax_row(x, n);
+}
+
+template <typename T>
+int64_t argmax_row_portable(const T* x, int64_t n) {
+  return argmax_row(x, n);
+}
+
+template <typename T>
+void argmax_rows(const TensorView& logits, const TensorView& out) {
+  auto kernel = has_avx512()     ? argmax_row_avx512<T>
+                : has_avx2_fma() ? argmax_row_avx2<T>
+                                 : argmax_row_portable<T>;
+  const int64_t N = logits.shape[0], V = logits.shape[1];
+  const bool parallel = N > 1 && N * V >= (int64_t(1) << 17);
+#pragma omp parallel for schedule(static) if (parallel)
+  for (int64_t r = 0; r < N; ++r) {
+    out.ptr<int64_t>()[r * out.strides[0]] =
+        kernel(logits.ptr<const T>() + r * logits.strides[0], V);
+  }
+}
+
 }  // namespace
 }  // namespace cpu
+
+void argmax_cpu(const TensorView& logits, const TensorView& out) {
+  const std::string op = "argmax";
+  check_ndim(logits, 2, op, "logits", "[rows, vocab]");
+  check_last_dim_contiguous(logits, op, "logits");
+  check_dtype_is(logits, DType::kFloat32, DType::kBFloat16, op, "logits");
+  check_ndim(out, 1, op, "out", "[rows]");
+  if (out.dtype != DType::kInt64)
+    fail(op, std::string("out must be int64, got ") + dtype_name(out.dtype));
+  check_size(out, 0, logits.shape[0], op, "out", "rows of logits");
+  if (logits.device != Device::kCPU || out.device != Device::kCPU) {
+    fail(op, "logits and out must be on cpu");
+  }
+  if (logits.shape[1] == 0) fail(op, "logits has no columns (an empty vocabulary has no maximum)");
+  if (logits.shape[1] > INT32_MAX) fail(op, "logits rows longer than 2^31 - 1 are not supported");
+  if (logits.dtype == DType::kFloat32) {
+    cpu::argmax_rows<float>(logits, out);
+  } else {
+    cpu::argmax_rows<bf16>(logits, out);
+  }
+}
 
 void topk_expand_cpu(const TensorView& logits, int64_t k, float temperature,
                      const TensorView& tokens, const TensorView& probs) {

@@ -286,6 +286,21 @@ def topk_expand_reference(
     return tokens, probs.gather(-1, tokens)
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The index of the first maximum over the last dim (int64, shape logits.shape[:-1]); a NaN
+    counts as the maximum, as in torch.max, which is the fallback off the compiled path. Every
+    greedy token of a step comes through here: torch's max took 70 us for a tree's 6 rows of
+    49152 logits, the kernel (two threads over rows) 19."""
+    compiled = (_C is not None and logits.is_cpu and logits.dtype in (torch.float32, torch.bfloat16)
+                and logits.dim() >= 1 and logits.shape[-1] > 0 and logits.stride(-1) == 1)  # fmt: skip
+    if not compiled:
+        return logits.max(dim=-1).indices
+    rows = logits.reshape(-1, logits.shape[-1])
+    out = torch.empty(rows.shape[0], dtype=torch.int64)
+    _C.argmax(rows.detach(), out)
+    return out.reshape(logits.shape[:-1])
+
+
 def topk_expand(
     logits: torch.Tensor, k: int, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
