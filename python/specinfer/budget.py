@@ -53,6 +53,7 @@ Seeded sampling requests draft SEEDED_DEPTH levels: a fixed shape, whatever the 
 from __future__ import annotations
 
 import bisect
+import weakref
 from itertools import accumulate
 
 from specinfer.sampling import SamplingParams
@@ -488,7 +489,19 @@ def _conf_bin(conf: float) -> int:
 def _kinds(tree: TokenTree) -> list[tuple[int, bool]]:
     """Per proposal, its rank among its drafter's proposals under the same parent (drafters
     propose their children best first), and whether another drafter proposed a child there
-    that this one did not."""
+    that this one did not. Worked out once per tree as it stands (proposals are only ever
+    added): a step prices its trees twice and learns from them once."""
+    proposals = len(tree.prop_child)
+    known = _KINDS.get(tree)
+    if known is None or known[0] != proposals:
+        known = _KINDS[tree] = (proposals, _work_out_kinds(tree))
+    return known[1]
+
+
+_KINDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tree -> (proposals, kinds)
+
+
+def _work_out_kinds(tree: TokenTree) -> list[tuple[int, bool]]:
     seen: dict[tuple[int, int], int] = {}
     ranks = []
     by_parent: dict[int, dict[int, set[int]]] = {}  # parent -> drafter -> its children there
