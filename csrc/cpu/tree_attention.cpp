@@ -1,11 +1,13 @@
 #include "cpu/tree_attention.h"
 
+#include <type_traits>
 #include <vector>
 
 #include "cpu/cpu_features.h"
 #include "ops.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
+#include "cpu/tree_attention_amx.h"
 #include "cpu/tree_attention_avx512.h"
 #define SPECINFER_HAS_AVX512_TILES 1
 #endif
@@ -44,6 +46,22 @@ void block_avx512(const TreeAttentionProblem<T>& p, int64_t b, int64_t h, int64_
   dispatch_head_dim(p, b, h, r0, r1, keys, w);
 #endif
 }
+
+#ifdef SPECINFER_HAS_AVX512_TILES
+// bf16 on AMX: the scores on tiles for head dims a multiple of 32, the rest as block_avx512.
+SPECINFER_TARGET(SPECINFER_AMX)
+void block_amx(const TreeAttentionProblem<bf16>& p, int64_t b, int64_t h, int64_t r0, int64_t r1,
+               int64_t keys, float* w) {
+  switch (p.head_dim) {
+    case 64:
+      return attend_block<bf16, 64, AmxTiles>(p, b, h, r0, r1, keys, w);
+    case 128:
+      return attend_block<bf16, 128, AmxTiles>(p, b, h, r0, r1, keys, w);
+    default:
+      return block_avx512<bf16>(p, b, h, r0, r1, keys, w);
+  }
+}
+#endif
 
 template <typename T>
 SPECINFER_TARGET(SPECINFER_AVX2)
@@ -95,6 +113,11 @@ void run(const TreeAttentionArgs& a, const std::vector<int64_t>& rows,
   } else if (has_avx2_fma()) {
     block = block_avx2<T>;
   }
+#ifdef SPECINFER_HAS_AVX512_TILES
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (has_amx_bf16()) block = block_amx;
+  }
+#endif
 
   // Forking threads costs more than it saves on the smallest calls: they stay serial. Measured
   // (bf16, 2 threads, 9 query heads of 64 over 3 KV heads, 300 keys): 1 query token 35 -> 31 us

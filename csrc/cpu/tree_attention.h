@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 #include "core/numeric.h"
@@ -45,9 +46,16 @@ inline int64_t tree_attention_key_capacity(int64_t max_keys) {
   return (max_keys + kKeyTile - 1) / kKeyTile * kKeyTile;
 }
 
+// Floats of the AMX scores' buffers (tree_attention_amx.h) for `rows` query rows: their bf16
+// copy in whole tiles of 16, one block of 16 keys as B tiles, one accumulator tile.
+inline int64_t amx_scores_scratch(int64_t rows, int64_t head_dim) {
+  return (rows + 15) / 16 * 16 * head_dim / 2 + 8 * head_dim + 256;
+}
+
 // Floats of scratch one work item with `rows` query rows and `key_capacity` keys needs.
 inline int64_t tree_attention_scratch(int64_t rows, int64_t head_dim, int64_t key_capacity) {
-  return 2 * rows * head_dim + 2 * rows + rows * key_capacity + kKeyTile * head_dim;
+  return 2 * rows * head_dim + 2 * rows + rows * key_capacity + kKeyTile * head_dim +
+         amx_scores_scratch(rows, head_dim);
 }
 
 // Four dot products of q with consecutive rows of k: four independent accumulator chains instead
@@ -113,6 +121,8 @@ SPECINFER_INLINE void load_scaled(const T* src, float* dst, int64_t n, float sca
 // a tile (both differ between a tree and incremental decoding): every score, sum and accumulator
 // is computed the same way at every position.
 struct GenericTiles {
+  static constexpr bool kRawKeys = false;  // scores take keys converted to float32 rows
+
   // s[r * cap + j] = q[r] . kv[j] for j < kn (and up to the next multiple of 4: dot4 writes a
   // tile's last group of four in full, from stale rows never read).
   template <int kD>
@@ -149,12 +159,13 @@ SPECINFER_INLINE void attend_block(const TreeAttentionProblem<T>& p, int64_t b, 
   float* s = l + R;                  // [R, key_capacity] scores, then probabilities
   float* kv = s + R * key_capacity;  // [kKeyTile, D] a tile of keys, then of values
   const float neg_inf = -std::numeric_limits<float>::infinity();
-
-  // Local row r is the item's row r0 + r.
-  for (int64_t r = 0; r < R; ++r) {
+  const auto query = [&](int64_t r) {  // local row r is the item's row r0 + r
     const int64_t t = (r0 + r) / G, head = h * G + (r0 + r) % G;
-    load_scaled(p.q + b * p.q_stride[0] + t * p.q_stride[1] + head * p.q_stride[2], q + r * D, D,
-                p.scale);
+    return p.q + b * p.q_stride[0] + t * p.q_stride[1] + head * p.q_stride[2];
+  };
+
+  for (int64_t r = 0; r < R; ++r) {
+    if constexpr (!Tiles::kRawKeys) load_scaled(query(r), q + r * D, D, p.scale);
     std::fill(acc + r * D, acc + (r + 1) * D, 0.0f);
     m[r] = neg_inf;
     l[r] = 0.0f;
@@ -186,11 +197,26 @@ SPECINFER_INLINE void attend_block(const TreeAttentionProblem<T>& p, int64_t b, 
            (pos % p.block_len) * p.v_stride[2];
   };
   // Pass 1: every score (invisible keys -inf) and each row's maximum.
-  for (int64_t k0 = 0; k0 < key_end; k0 += kKeyTile) {
-    const int64_t kn = std::min(kKeyTile, key_end - k0);
-    prefetch_rows(key, k0 + kKeyTile, std::min(key_end, k0 + 2 * kKeyTile), D * sizeof(T));
-    for (int64_t j = 0; j < kn; ++j) load_scaled(key(k0 + j), kv + j * D, D, 1.0f);
-    Tiles::template scores<kD>(q, R, D, kv, kn, s + k0, key_capacity);
+  if constexpr (Tiles::kRawKeys) {  // bf16 rows and keys as they are, 16 keys at a time
+    uint32_t* queries = reinterpret_cast<uint32_t*>(kv + kKeyTile * D);
+    uint16_t* keys = reinterpret_cast<uint16_t*>(queries + (R + 15) / 16 * 16 * D / 2);
+    float* acc_tile = reinterpret_cast<float*>(keys + 16 * D);
+    Tiles::template prepare_queries<kD>(query, R, queries);
+    Tiles::begin();
+    for (int64_t k0 = 0; k0 < key_end; k0 += 16) {
+      prefetch_rows(key, k0 + 16, std::min(key_end, k0 + 32), D * sizeof(T));
+      Tiles::template scores<kD>(queries, R, key, k0, std::min<int64_t>(16, key_end - k0),
+                                 p.k_stride[2] * int64_t(sizeof(T)), p.scale, s, key_capacity, keys,
+                                 acc_tile);
+    }
+    Tiles::end();
+  } else {
+    for (int64_t k0 = 0; k0 < key_end; k0 += kKeyTile) {
+      const int64_t kn = std::min(kKeyTile, key_end - k0);
+      prefetch_rows(key, k0 + kKeyTile, std::min(key_end, k0 + 2 * kKeyTile), D * sizeof(T));
+      for (int64_t j = 0; j < kn; ++j) load_scaled(key(k0 + j), kv + j * D, D, 1.0f);
+      Tiles::template scores<kD>(q, R, D, kv, kn, s + k0, key_capacity);
+    }
   }
   for (int64_t r = 0; r < R; ++r) {
     float* sr = s + r * key_capacity;

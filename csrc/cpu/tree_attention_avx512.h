@@ -16,6 +16,8 @@
 namespace specinfer::cpu {
 
 struct Avx512Tiles {
+  static constexpr bool kRawKeys = false;
+
   // s[r * cap + j] = q[r] . kv[j] for j < kn, and up to the next multiple of 16 from the tile's
   // stale rows (never read).
   template <int kD>
