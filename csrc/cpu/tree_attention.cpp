@@ -48,18 +48,11 @@ void block_avx512(const TreeAttentionProblem<T>& p, int64_t b, int64_t h, int64_
 }
 
 #ifdef SPECINFER_HAS_AVX512_TILES
-// bf16 on AMX: the scores on tiles for head dims a multiple of 32, the rest as block_avx512.
+// bf16 on AMX: the scores on tiles (head dims 64 and 128), the rest as block_avx512.
 SPECINFER_TARGET(SPECINFER_AMX)
 void block_amx(const TreeAttentionProblem<bf16>& p, int64_t b, int64_t h, int64_t r0, int64_t r1,
                int64_t keys, float* w) {
-  switch (p.head_dim) {
-    case 64:
-      return attend_block<bf16, 64, AmxTiles>(p, b, h, r0, r1, keys, w);
-    case 128:
-      return attend_block<bf16, 128, AmxTiles>(p, b, h, r0, r1, keys, w);
-    default:
-      return block_avx512<bf16>(p, b, h, r0, r1, keys, w);
-  }
+  dispatch_head_dim<bf16, AmxTiles>(p, b, h, r0, r1, keys, w);
 }
 #endif
 
