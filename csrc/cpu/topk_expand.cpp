@@ -216,8 +216,9 @@ void argmax_cpu(const TensorView& logits, const TensorView& out) {
   check_last_dim_contiguous(logits, op, "logits");
   check_dtype_is(logits, DType::kFloat32, DType::kBFloat16, op, "logits");
   check_ndim(out, 1, op, "out", "[rows]");
-  if (out.dtype != DType::kInt64)
+  if (out.dtype != DType::kInt64) {
     fail(op, std::string("out must be int64, got ") + dtype_name(out.dtype));
+  }
   check_size(out, 0, logits.shape[0], op, "out", "rows of logits");
   if (logits.device != Device::kCPU || out.device != Device::kCPU) {
     fail(op, "logits and out must be on cpu");

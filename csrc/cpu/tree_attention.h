@@ -46,8 +46,8 @@ inline int64_t tree_attention_key_capacity(int64_t max_keys) {
   return (max_keys + kKeyTile - 1) / kKeyTile * kKeyTile;
 }
 
-// Floats of the AMX scores' buffers (tree_attention_amx.h) for `rows` query rows: their bf16
-// copy in whole tiles of 16, one block of 16 keys as B tiles, one accumulator tile.
+// Floats of the AMX scores' buffers (tree_attention_amx.h) for `rows` query rows: the rows as B
+// tiles (whole tiles of 16), 16 keys copied out of the cache, one accumulator tile.
 inline int64_t amx_scores_scratch(int64_t rows, int64_t head_dim) {
   return (rows + 15) / 16 * 16 * head_dim / 2 + 8 * head_dim + 256;
 }

@@ -1,11 +1,12 @@
-// AMX scores of CPU tree attention (bf16 caches, head dims a multiple of 32; see attend_block in
-// tree_attention.h), where the AVX-512 loop converted every key to float32 and spent 4 FMAs and a
-// share of a 16-way horizontal sum per query row and key: at 6 query tokens the scores were a
-// third of the kernel's time, growing with the rows. Here 16 keys x 16 rows take D / 32
-// TDPBF16PS, computed transposed, s^T = k q^T: the keys are the A operand, 16 cache slots read
-// as they are (no conversion), and the item's query rows, transposed once into B tiles, stay put
-// while the keys stream past. The values stay on AVX-512 (float32 probabilities: rounding them to
-// bf16 for tiles would cost precision).
+// AMX scores of CPU tree attention (bf16 caches, head dims 64 and 128, though any multiple of 32
+// would do; see attend_block in tree_attention.h), where the AVX-512 loop converted every key to
+// float32 and spent 4 FMAs and a share of a 16-way horizontal sum per query row and key: at 6
+// query tokens the scores were a third of the kernel's time, growing with the rows. Here 16 keys
+// x 16 rows take D / 32 TDPBF16PS, computed transposed, s^T = k q^T: the keys are the A operand,
+// 16 cache slots read as they are (no conversion), and the item's query rows, transposed once
+// into B tiles, stay put while the keys stream past. The values stay on AVX-512: a tile would sum
+// two keys' terms inside one instruction, pairs set by slot parity, which differs between a tree
+// (a node's ancestors at gapped slots) and incremental decoding, so the bits would too.
 //
 // Each score is one chain of D / 32 tile products over the same dims in the same order, whatever
 // the other rows and keys of its tiles hold, so a row's scores do not depend on the rows beside it
