@@ -22,9 +22,8 @@
 #endif
 
 #if defined(__x86_64__) && defined(__GNUC__)
-#include "cpu/avx512.h"
+#include "cpu/amx.h"
 #define SPECINFER_HAVE_AMX 1
-#define SPECINFER_AMX SPECINFER_AVX512 ",amx-tile,amx-bf16,amx-int8"
 #endif
 
 namespace specinfer::cpu {
@@ -40,16 +39,7 @@ constexpr int kBlockRows = 32;     // weight rows per block: two A tiles share e
 
 // Tiles 0-3 accumulate (2 weight tiles x 2 x tiles), 4-5 hold weight rows, 6-7 hold x. An x tile
 // (and so an accumulator) is `width` columns wide: 16, or M when M < 16, so few rows neither pack
-// nor multiply padding (one row reads x as it is). One config per width, kept in memory (static):
-// GCC 12 dropped the stores into a local config, as if ldtilecfg did not read it.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
+// nor multiply padding (one row reads x as it is). One config per width (static, see TileConfig).
 SPECINFER_TARGET(SPECINFER_AMX) void load_tile_config(int width) {
   static const std::array<TileConfig, kTile + 1> configs = [] {
     std::array<TileConfig, kTile + 1> all;

@@ -25,6 +25,11 @@ inline bool better(const Candidate& a, const Candidate& b) {
   return a.logit > b.logit || (a.logit == b.logit && a.token < b.token);
 }
 
+// Forking threads costs tens of microseconds: a few vocabulary rows stay serial.
+inline bool rows_in_parallel(int64_t rows, int64_t vocab) {
+  return rows > 1 && rows * vocab >= (int64_t(1) << 17);
+}
+
 constexpr int kLanes = 8;        // one AVX2 register of floats
 constexpr int64_t kChunk = 256;  // terms per float partial sum
 
@@ -112,8 +117,7 @@ void run(const TensorView& logits, int64_t k, float inv_t, const TensorView& tok
          const TensorView& probs) {
   const int64_t N = logits.shape[0], V = logits.shape[1];
   std::vector<char> ok(N, 1);
-  // Forking threads costs tens of microseconds: a few vocabulary rows stay serial.
-  const bool parallel = N > 1 && N * V >= (int64_t(1) << 17);
+  const bool parallel = rows_in_parallel(N, V);
 #pragma omp parallel if (parallel)
   {
     std::vector<Candidate> heap;
@@ -199,7 +203,7 @@ void argmax_rows(const TensorView& logits, const TensorView& out) {
                 : has_avx2_fma() ? argmax_row_avx2<T>
                                  : argmax_row_portable<T>;
   const int64_t N = logits.shape[0], V = logits.shape[1];
-  const bool parallel = N > 1 && N * V >= (int64_t(1) << 17);
+  const bool parallel = rows_in_parallel(N, V);
 #pragma omp parallel for schedule(static) if (parallel)
   for (int64_t r = 0; r < N; ++r) {
     out.ptr<int64_t>()[r * out.strides[0]] =

@@ -22,10 +22,8 @@
 #include <cstring>
 
 #include "core/numeric.h"
-#include "cpu/avx512.h"
+#include "cpu/amx.h"
 #include "cpu/tree_attention_avx512.h"
-
-#define SPECINFER_AMX SPECINFER_AVX512 ",amx-tile,amx-bf16,amx-int8"
 
 namespace specinfer::cpu {
 
@@ -33,17 +31,13 @@ struct AmxTiles : Avx512Tiles {
   static constexpr bool kRawKeys = true;  // scores read bf16 keys from the cache
   static constexpr int kTile = 16;        // keys, and query rows, per tile
 
-  // Tile 0 accumulates, 1 holds keys, 2 query rows: 16 rows of 64 bytes each. Kept in memory
-  // (static), as the linear's: GCC 12 dropped the stores into a local config.
+  // Tile 0 accumulates, 1 holds keys, 2 query rows: 16 rows of 64 bytes each.
   SPECINFER_TARGET(SPECINFER_AMX) static void begin() {
-    struct alignas(64) Config {
-      uint8_t palette = 1;
-      uint8_t start_row = 0;
-      uint8_t reserved[14] = {};
-      uint16_t colsb[16] = {64, 64, 64};
-      uint8_t rows[16] = {kTile, kTile, kTile};
-    };
-    static const Config config;
+    static constexpr TileConfig config = [] {
+      TileConfig c;
+      for (int t = 0; t < 3; ++t) c.colsb[t] = 64, c.rows[t] = kTile;
+      return c;
+    }();
     _tile_loadconfig(&config);
   }
 
