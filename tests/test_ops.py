@@ -457,14 +457,15 @@ def test_linear_matches_torch(dtype, rows, n, k, with_bias):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n,k", [(96, 576), (200, 77), (37, 1536), (9, 5), (1100, 64)])
+# (40, 96): three k tiles on AMX, so past 16 rows the last is taken alone after a pair.
+@pytest.mark.parametrize("n,k", [(96, 576), (200, 77), (37, 1536), (9, 5), (1100, 64), (40, 96)])
 def test_linear_row_does_not_depend_on_the_other_rows(dtype, n, k):
     """Each output row is summed in the same order whatever the row count, so a tree's (or a
     batch's) rows equal, bit for bit, the rows computed one at a time."""
     gen = torch.Generator().manual_seed(n)
     w = torch.randn(n, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype)
-    for rows in (2, 3, 4, 5, 6, 7, 8, 9, 17, 64):
+    for rows in (2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 33, 64):
         x = torch.randn(rows, k, generator=gen).to(dtype)
         out = torch.empty(rows, n, dtype=dtype)
         _C.linear(x, w, bias, out)
@@ -595,7 +596,7 @@ def int8_case(gen, rows, n, k, dtype, with_bias):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rows", "k"), [(1, 576), (4, 576), (17, 1536), (33, 128), (3, 40),
-                                          (5, 130), (1, 7)])  # fmt: skip
+                                          (5, 130), (1, 7), (20, 192)])  # fmt: skip
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_int8_equals_its_reference(dtype, rows, k, with_bias):
     """Integer dot products are exact, so the kernel (AMX tiles when K is a multiple of 64, else

@@ -37,15 +37,16 @@ constexpr int kTileFloats = kTile * kTile;  // one accumulator tile, also one pa
 constexpr int kGatherMaxRows = 4;  // outputs of up to this many x rows are gathered, not transposed
 constexpr int kBlockRows = 32;     // weight rows per block: two A tiles share each x tile
 
-// Tiles 0-3 accumulate (2 weight tiles x 2 x tiles), 4-5 hold weight rows, 6-7 hold x. An x tile
-// (and so an accumulator) is `width` columns wide: 16, or M when M < 16, so few rows neither pack
-// nor multiply padding (one row reads x as it is). One config per width (static, see TileConfig).
+// Tiles 0-1 accumulate (2 weight tiles x 1 x tile), 2-3 hold x, 4-7 hold weight rows (run_block).
+// An x tile (and so an accumulator) is `width` columns wide: 16, or M when M < 16, so few rows
+// neither pack nor multiply padding (one row reads x as it is). One config per width (static,
+// see TileConfig).
 SPECINFER_TARGET(SPECINFER_AMX) void load_tile_config(int width) {
   static const std::array<TileConfig, kTile + 1> configs = [] {
     std::array<TileConfig, kTile + 1> all;
     for (int w = 1; w <= kTile; ++w) {
       for (int t = 0; t < 8; ++t) {
-        all[w].colsb[t] = uint16_t(t == 4 || t == 5 ? 64 : 4 * w);
+        all[w].colsb[t] = uint16_t(t >= 4 ? 64 : 4 * w);
         all[w].rows[t] = kTile;
       }
     }
@@ -142,40 +143,48 @@ void write_block(const LinearProblem& p, const float* staged, int64_t n0, int64_
     _tile_dpbf16ps(acc, a, b);        \
   }
 
-// The 32 weight rows at w (w_stride elements apart) against every x row, two x tiles at a time,
-// each weight tile loaded once per pair; the accumulators are stored to `staged`.
+// The 32 weight rows at w (w_stride elements apart) against every x row, one x tile at a time;
+// the accumulators (tiles 0-1) are stored to `staged`. With one x tile, a k step loads two weight
+// tiles (4-5) and the x tile (2). With more, each x tile takes its own pass over the block (read
+// again from L1/L2), two k steps an iteration with their own tiles (6-7 and 3 for the second):
+// tiles are not renamed, so with one set a step's loads wait for the previous step's products,
+// which, at two products more per step (the old pairing of two x tiles), left memory idle long
+// enough that 17 rows cost 1.4x 16. Tree forwards of SmolLM2-135M (3 alternated runs): 24 / 32
+// rows 22.2-23.3 / 23.7-25.2 -> 20.1-21.9 / 22.7-23.5 ms; with one x tile the second set of
+// tiles made forwards slower (0.3-0.5 ms at 1-16 rows).
 template <bool kInt8, typename W>
 SPECINFER_TARGET(SPECINFER_AMX)
 void run_block(const W* w, int64_t w_stride, const XTiles& x, float* staged) {
   constexpr int64_t kK = kTileBytes / sizeof(W);  // k per tile row
   const int64_t w_bytes = w_stride * sizeof(W), x_bytes = 4 * x.width, step = x.tile_dwords();
-  for (int64_t mt = 0; mt < x.m_tiles; mt += 2) {
-    const bool two = mt + 1 < x.m_tiles;
-    const uint32_t* b0 = x.data + mt * x.k_tiles * step;
-    const uint32_t* b1 = b0 + x.k_tiles * step;
+  const W* w1 = w + kTile * w_stride;
+  const int64_t paired = x.m_tiles == 1 ? 0 : x.k_tiles & ~int64_t(1);  // k steps taken two by two
+  for (int64_t mt = 0; mt < x.m_tiles; ++mt) {
+    const uint32_t* b = x.data + mt * x.k_tiles * step;
     _tile_zero(0);
     _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t kb = 0; kb < x.k_tiles; ++kb) {
+    for (int64_t kb = 0; kb < paired; kb += 2) {
       _tile_loadd(4, w + kb * kK, w_bytes);
-      _tile_loadd(5, w + kTile * w_stride + kb * kK, w_bytes);
-      _tile_loadd(6, b0 + kb * step, x_bytes);
-      SPECINFER_TILE_DOT(0, 4, 6)
-      SPECINFER_TILE_DOT(1, 5, 6)
-      if (two) {
-        _tile_loadd(7, b1 + kb * step, x_bytes);
-        SPECINFER_TILE_DOT(2, 4, 7)
-        SPECINFER_TILE_DOT(3, 5, 7)
-      }
+      _tile_loadd(5, w1 + kb * kK, w_bytes);
+      _tile_loadd(2, b + kb * step, x_bytes);
+      _tile_loadd(6, w + (kb + 1) * kK, w_bytes);
+      _tile_loadd(7, w1 + (kb + 1) * kK, w_bytes);
+      _tile_loadd(3, b + (kb + 1) * step, x_bytes);
+      SPECINFER_TILE_DOT(0, 4, 2)
+      SPECINFER_TILE_DOT(1, 5, 2)
+      SPECINFER_TILE_DOT(0, 6, 3)
+      SPECINFER_TILE_DOT(1, 7, 3)
+    }
+    for (int64_t kb = paired; kb < x.k_tiles; ++kb) {
+      _tile_loadd(4, w + kb * kK, w_bytes);
+      _tile_loadd(5, w1 + kb * kK, w_bytes);
+      _tile_loadd(2, b + kb * step, x_bytes);
+      SPECINFER_TILE_DOT(0, 4, 2)
+      SPECINFER_TILE_DOT(1, 5, 2)
     }
     float* out = staged + mt * 2 * kTileFloats;
     _tile_stored(0, out, 64);
     _tile_stored(1, out + kTileFloats, 64);
-    if (two) {
-      _tile_stored(2, out + 2 * kTileFloats, 64);
-      _tile_stored(3, out + 3 * kTileFloats, 64);
-    }
   }
 }
 
