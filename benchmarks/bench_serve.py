@@ -398,10 +398,13 @@ def bench_config(name: str, extra: list[str], prompts: list, args, round_: int =
 
 def _serve_runs(name: str, extra: list[str], prompts: list, args, round_: int, plan: list,
                 entry: dict) -> bool:  # fmt: skip
-    """The load runs of `plan` against one server, into `entry`; False after an error."""
+    """The load runs of `plan` against one server, into `entry` (the server's command, startup
+    and exit status appended to its "servers": one per run with --server-per-run); False after
+    an error."""
+    info = {}
     try:
         with server(extra, args) as (url, info):
-            entry["server"] = info
+            entry.setdefault("servers", []).append(info)
             model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
             print(f"[{name}] server up in {info['startup_s']} s ({info['command']})")
             if args.warmup:
@@ -416,8 +419,8 @@ def _serve_runs(name: str, extra: list[str], prompts: list, args, round_: int, p
     except (RuntimeError, httpx.HTTPError, KeyError, ValueError) as e:
         entry["error"] = f"{type(e).__name__}: {e}"
         print(f"[{name}] error: {entry['error']}", file=sys.stderr)
-    if entry.get("server", {}).get("exit_status") not in (0, None):
-        print(f"[{name}] server exit status {entry['server']['exit_status']}", file=sys.stderr)
+    if info.get("exit_status") not in (0, None):
+        print(f"[{name}] server exit status {info['exit_status']}", file=sys.stderr)
     return "error" not in entry
 
 
