@@ -10,6 +10,11 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <type_traits>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "cpu/cpu_features.h"
 #include "cpu/linear.h"
@@ -173,6 +178,95 @@ void int8_dots(const Int8Problem& p, int64_t N, int32_t* dots, bool parallel) {
   }
 }
 
+// The epilogue of every kernel family: out[m, n] = float(dots[m, n] - zero[m]) (x_scale[m]
+// w_scale[n]) + bias[n], rounded to the output dtype; one multiply, then one add, never fused (the
+// reference rounds both), so the AVX-512 loop gives the scalar loop's bits.
+struct Dequant {
+  const int32_t* dots;  // [M, N]
+  const int32_t* zeros;
+  const float* x_scales;
+  const TensorView& w_scales;
+  const TensorView* bias;
+  const TensorView& out;
+  int64_t M, N;
+};
+
+template <typename T>
+void dequantize_scalar(const Dequant& d, int64_t n0, int64_t n1) {
+  const float* ws = d.w_scales.ptr<const float>();
+  const T* b = d.bias != nullptr ? d.bias->ptr<const T>() : nullptr;
+  const int64_t ws_stride = d.w_scales.strides[0], b_stride = b ? d.bias->strides[0] : 0;
+  for (int64_t m = 0; m < d.M; ++m) {
+    const int32_t* dm = d.dots + m * d.N;
+    T* ym = d.out.ptr<T>() + m * d.out.strides[0];
+    for (int64_t n = n0; n < n1; ++n) {
+      const float y = float(dm[n] - d.zeros[m]) * (d.x_scales[m] * ws[n * ws_stride]);
+      ym[n] = from_float<T>(b != nullptr ? y + to_float(b[n * b_stride]) : y);
+    }
+  }
+}
+
+#ifdef SPECINFER_HAVE_X86
+template <typename T>
+SPECINFER_TARGET(SPECINFER_AVX512)
+__m512 load16(const T* v, __mmask16 mask) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_maskz_loadu_ps(mask, v);
+  } else {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, v));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+}
+
+// Contiguous scales and bias (as layers hold them); 16 columns at a time.
+template <typename T>
+SPECINFER_TARGET(SPECINFER_AVX512)
+void dequantize_avx512(const Dequant& d, int64_t n0, int64_t n1) {
+  const float* ws = d.w_scales.ptr<const float>();
+  const T* b = d.bias != nullptr ? d.bias->ptr<const T>() : nullptr;
+  for (int64_t m = 0; m < d.M; ++m) {
+    const int32_t* dm = d.dots + m * d.N;
+    T* ym = d.out.ptr<T>() + m * d.out.strides[0];
+    const __m512i zero = _mm512_set1_epi32(d.zeros[m]);
+    const __m512 xs = _mm512_set1_ps(d.x_scales[m]);
+    for (int64_t n = n0; n < n1; n += 16) {
+      const __mmask16 mask = n1 - n >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n1 - n)) - 1);
+      const __m512 q =
+          _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_maskz_loadu_epi32(mask, dm + n), zero));
+      __m512 y = _mm512_mul_round_ps(q, _mm512_mul_ps(xs, _mm512_maskz_loadu_ps(mask, ws + n)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      if (b != nullptr) y = _mm512_add_ps(y, load16(b + n, mask));
+      if constexpr (std::is_same_v<T, float>) {
+        _mm512_mask_storeu_ps(ym + n, mask, y);
+      } else {
+        _mm256_mask_storeu_epi16(ym + n, mask, to_bf16x16(y));
+      }
+    }
+  }
+}
+#endif
+
+template <typename T>
+void dequantize(const Dequant& d, bool parallel) {
+  auto kernel = dequantize_scalar<T>;
+#ifdef SPECINFER_HAVE_X86
+  const bool contiguous = d.w_scales.strides[0] == 1 && (!d.bias || d.bias->strides[0] == 1);
+  if (has_avx512() && contiguous) kernel = dequantize_avx512<T>;
+#endif
+  // Columns split between the threads in whole vectors; each output is computed the same way.
+#pragma omp parallel if (parallel && d.M * d.N >= 8192)
+  {
+    int64_t t = 0, threads = 1;
+#ifdef _OPENMP
+    t = omp_get_thread_num();
+    threads = omp_get_num_threads();
+#endif
+    const int64_t vectors = (d.N + 15) / 16;
+    kernel(d, std::min(d.N, vectors * t / threads * 16),
+           std::min(d.N, vectors * (t + 1) / threads * 16));
+  }
+}
+
 template <typename T>
 void run(const TensorView& x, const TensorView& w, const TensorView& scale, const TensorView* bias,
          const TensorView& out) {
@@ -193,21 +287,7 @@ void run(const TensorView& x, const TensorView& w, const TensorView& scale, cons
   const bool parallel = N * p.K * std::max<int64_t>(p.M, 2) >= (int64_t(1) << 19);
   int8_dots(p, N, dots, parallel);
 
-  const float* w_scales = scale.ptr<const float>();
-  const T* b = bias != nullptr ? bias->ptr<const T>() : nullptr;
-  const int64_t scale_stride = scale.strides[0], bias_stride = bias ? bias->strides[0] : 0;
-  T* y = out.ptr<T>();
-  for (int64_t m = 0; m < p.M; ++m) {
-    const int32_t zero = x_sums[m];
-    const float xs = x_scales[m];
-    const int32_t* dm = dots + m * N;
-    T* ym = y + m * out.strides[0];
-#pragma omp simd
-    for (int64_t n = 0; n < N; ++n) {
-      const float add = b != nullptr ? to_float(b[n * bias_stride]) : 0.0f;
-      ym[n] = from_float<T>(float(dm[n] - zero) * (xs * w_scales[n * scale_stride]) + add);
-    }
-  }
+  dequantize<T>(Dequant{dots, x_sums, x_scales, scale, bias, out, p.M, N}, parallel);
 }
 
 }  // namespace
