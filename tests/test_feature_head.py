@@ -221,7 +221,7 @@ def test_the_served_head_reads_the_targets_layers(tiny_pair, layered_head_dir, d
     seq = PROMPT + out.token_ids[:-1]  # the tokens the target has run
     spec = engine.drafter.ssms[0]
     want = spec.model.reduce(_features_of(engine.model, seq, LAYERS))
-    got = spec.features[0, : len(seq)]
+    got = spec.features[0, 1 : len(seq) + 1]  # column s + 1: slot s
     assert torch.allclose(got.float(), want.float(), atol=1e-4)
 
 

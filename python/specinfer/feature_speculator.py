@@ -23,7 +23,9 @@ class FeatureSpeculator(Speculator):
 
     def __init__(self, model, tree, name: str = "feature"):
         super().__init__(model, tree, name)
-        self.features = None  # [rows, slots, H]: the target's hidden state at each slot
+        # [rows, 1 + slots, H]: the target's hidden state at slot s in column s + 1, so column t
+        # holds what the token at slot t reads (zeros at 0: slot 0 has no feature before it).
+        self.features = None
         self.drafted = None  # [rows, nodes, H]: the head's output at each node of its last draft
 
     def reset(self, rows: int, max_seq_len: int) -> None:
@@ -32,7 +34,7 @@ class FeatureSpeculator(Speculator):
         if self.kv is not kv or self.features is None:
             rows, H = self.kv.rows, self.model.config.hidden_size
             like = {"dtype": self.model.fc.weight.dtype, "device": self.kv.k[0].device}
-            self.features = torch.zeros(rows, self.kv.max_seq_len, H, **like)
+            self.features = torch.zeros(rows, 1 + self.kv.max_seq_len, H, **like)
             self.drafted = torch.zeros(rows, 2 * self.tree.num_nodes, H, **like)
 
     def release(self) -> None:
@@ -43,21 +45,20 @@ class FeatureSpeculator(Speculator):
                        lengths: list[int]) -> None:  # fmt: skip
         """The target's features hidden[b, :lengths[b]] belong to slots prefix[b] + t of request
         batch[b] (tokens it has cached, or a verified path it keeps)."""
-        end = self.features.shape[1]
+        end = self.features.shape[1] - 1
         reduced = self.model.reduce(hidden)
         for b, (r, start, n) in enumerate(zip(batch, prefix, lengths)):
             n = min(n, end - start)
             if n > 0:
-                self.features[r.row, start : start + n] = reduced[b, :n]
+                self.features[r.row, start + 1 : start + 1 + n] = reduced[b, :n]
 
     def commit(self, batch, prefix, paths, trees, max_depths) -> None:
         """Nothing of the tree is kept: its entries came from the head's guessed features. The
         draft left each drafted request's cache at its root, whose input was true."""
 
     def _run_chains(self, ids, positions, rows, prefix, mask) -> torch.Tensor:
-        before = prefix[:, None] + torch.arange(ids.shape[1], device=ids.device) - 1
-        feats = self.features[rows[:, None], before.clamp(min=0)]
-        feats[before < 0] = 0  # slot 0 has no feature before it
+        # A chain's positions are its slots (prefix + t): the columns of the features before them.
+        feats = self.features[rows[:, None], positions]
         return self._run(ids, feats, positions, rows, prefix, mask)
 
     def _run_level(self, ids, positions, rows, prefix, mask, trees, levels) -> torch.Tensor:

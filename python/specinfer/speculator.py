@@ -202,10 +202,13 @@ class Speculator:
             for b in live:
                 self.fed[row_ids[b]].update(frontier[b])
             sizes = [len(frontier[b]) for b in live]
-            picked = hidden[
-                torch.tensor([i for i, n in enumerate(sizes) for _ in range(n)], device=dev),
-                torch.tensor([t for n in sizes for t in range(n)], device=dev),
-            ]
+            if all(n == hidden.shape[1] for n in sizes):  # no padding rows: all of them in order
+                picked = hidden.flatten(0, 1)
+            else:
+                picked = hidden[
+                    torch.tensor([i for i, n in enumerate(sizes) for _ in range(n)], device=dev),
+                    torch.tensor([t for n in sizes for t in range(n)], device=dev),
+                ]
             for b, lg in zip(live, self._logits(picked).split(sizes)):
                 logits[b] = lg
         return trees
@@ -231,12 +234,13 @@ class Speculator:
     # -- internals ------------------------------------------------------------------------------
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits over the head's vocabulary (all tokens, or the restricted subset)."""
+        """Logits over the head's vocabulary (all tokens, or the restricted subset), in the
+        model's dtype: top-k reads it as it is, and sampling makes its distribution in float32."""
         if self.head_weight is None:
             return self.model.compute_logits(hidden)
         if self.head_codes is not None:
-            return ops.linear_int8(hidden, *self.head_codes).float()
-        return ops.linear(hidden, self.head_weight).float()
+            return ops.linear_int8(hidden, *self.head_codes)
+        return ops.linear(hidden, self.head_weight)
 
     def _expand(self, tree: TokenTree, nodes: list[int], logits: torch.Tensor, width: int,
                 params: SamplingParams, generator: torch.Generator,
@@ -330,10 +334,13 @@ class Speculator:
         T = max(len(lv) for lv in levels)
         firsts = torch.tensor([lv.start for lv in levels])
         M = int(firsts.max()) - 1 + T
-        node = firsts[:, None] + torch.arange(T)  # padding rows see the committed prefix only
-        column = (firsts[:, None] + T - M + torch.arange(M)).clamp(min=0)
-        b = torch.arange(len(levels))[:, None, None]
-        mask = ancestors[b, node[:, :, None], column[:, None, :]]
+        if len(levels) == 1:  # one tree: its rows and columns are ranges (a slice, fewer ops)
+            mask = ancestors[:, M + 1 - T : M + 1, 1 : M + 1]
+        else:
+            node = firsts[:, None] + torch.arange(T)  # padding rows see the committed prefix only
+            column = (firsts[:, None] + T - M + torch.arange(M)).clamp(min=0)
+            b = torch.arange(len(levels))[:, None, None]
+            mask = ancestors[b, node[:, :, None], column[:, None, :]]
         ids = _pad([[tree.tokens[n] for n in lv] for tree, lv in zip(trees, levels)], 0, dev)
         prefix = roots + firsts.to(dev)
         return self._run_level(ids, roots[:, None].expand(-1, T) + depth, rows, prefix,
