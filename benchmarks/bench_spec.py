@@ -145,7 +145,9 @@ def latency_ms(engine: Engine, prompts: list, tokens: int, batch: int, sampling=
         full, group_outs = run(group, tokens)
         decode_s += full - first
         outs += group_outs
-        leads.append(group_outs[0].metrics)  # a batch's step times are shared by its requests
+        # A batch's step times are shared by its requests; the one that ran longest was in
+        # every step of the batch (the first to end was not: its steps undercount the batch's).
+        leads.append(max(group_outs, key=lambda o: o.metrics["steps"]).metrics)
     steps = sum(x["steps"] for x in leads) or 1
     per_ssm = [s["name"] for s in leads[0]["per_ssm"]]
 
