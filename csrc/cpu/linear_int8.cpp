@@ -179,8 +179,9 @@ void int8_dots(const Int8Problem& p, int64_t N, int32_t* dots, bool parallel) {
 }
 
 // The epilogue of every kernel family: out[m, n] = float(dots[m, n] - zero[m]) (x_scale[m]
-// w_scale[n]) + bias[n], rounded to the output dtype; one multiply, then one add, never fused (the
-// reference rounds both), so the AVX-512 loop gives the scalar loop's bits.
+// w_scale[n]) + bias[n], rounded to the output dtype; the product is rounded before the bias is
+// added, never fused with it (the reference rounds both), so the AVX-512 loop gives the scalar
+// loop's bits.
 struct Dequant {
   const int32_t* dots;  // [M, N]
   const int32_t* zeros;
