@@ -37,7 +37,7 @@ constexpr int kTileFloats = kTile * kTile;  // one accumulator tile, also one pa
 constexpr int kGatherMaxRows = 4;  // outputs of up to this many x rows are gathered, not transposed
 constexpr int kBlockRows = 32;     // weight rows per block: two A tiles share each x tile
 
-// Tiles 0-1 accumulate (2 weight tiles x 1 x tile), 2-3 hold x, 4-7 hold weight rows (run_block).
+// Tiles 6-7 hold weight rows (64 bytes a row); 0-5 accumulate or hold x (run_block says which).
 // An x tile (and so an accumulator) is `width` columns wide: 16, or M when M < 16, so few rows
 // neither pack nor multiply padding (one row reads x as it is). One config per width (static,
 // see TileConfig).
@@ -46,7 +46,7 @@ SPECINFER_TARGET(SPECINFER_AMX) void load_tile_config(int width) {
     std::array<TileConfig, kTile + 1> all;
     for (int w = 1; w <= kTile; ++w) {
       for (int t = 0; t < 8; ++t) {
-        all[w].colsb[t] = uint16_t(t >= 4 ? 64 : 4 * w);
+        all[w].colsb[t] = uint16_t(t >= 6 ? 64 : 4 * w);
         all[w].rows[t] = kTile;
       }
     }
@@ -143,44 +143,83 @@ void write_block(const LinearProblem& p, const float* staged, int64_t n0, int64_
     _tile_dpbf16ps(acc, a, b);        \
   }
 
-// The 32 weight rows at w (w_stride elements apart) against every x row, one x tile at a time;
-// the accumulators (tiles 0-1) are stored to `staged`. With one x tile, a k step loads two weight
-// tiles (4-5) and the x tile (2). With more, each x tile takes its own pass over the block (read
-// again from L1/L2), two k steps an iteration with their own tiles (6-7 and 3 for the second):
-// tiles are not renamed, so with one set a step's loads wait for the previous step's products,
-// which, at two products more per step (the old pairing of two x tiles), left memory idle long
-// enough that 17 rows cost 1.4x 16. Tree forwards of SmolLM2-135M (3 alternated runs): 24 / 32
-// rows 22.2-23.3 / 23.7-25.2 -> 20.1-21.9 / 22.7-23.5 ms; with one x tile the second set of
-// tiles made forwards slower (0.3-0.5 ms at 1-16 rows).
+// The 32 weight rows at w (w_stride elements apart) against every x row; the accumulators go to
+// `staged`, [x tile][weight tile][16][16]. Each output is one chain of tile products in k order,
+// whichever tiles hold it, so a row's result does not depend on the rows beside it.
+//
+// 17-32 rows (two x tiles) take one pass over the block: both x tiles share each pair of weight
+// tiles (four accumulators), and the rows two blocks on are prefetched into L2, as the AVX-512
+// linear does (linear.cpp), since the hardware prefetcher keeps too few of a block's 32 row
+// streams in flight for the loads to overlap the four products a k step. The 120 projections of
+// SmolLM2-135M at 17 / 32 rows, 2 threads, alternated in one process: 11.25 / 12.10 ->
+// 10.90 / 11.56 ms (a pass per x tile, no prefetch); a target forward of 32 rows 19.5-20.8 ->
+// 18.4-18.5 ms. Elsewhere neither paid: the prefetch made 1-16 rows up to 10% slower, and 48-64
+// rows in pairs of x tiles made forwards 2-3 ms slower than a pass per x tile.
+//
+// Otherwise each x tile takes its own pass (the block read again from L1/L2 after the first).
+// With one x tile, a k step loads two weight tiles (6-7) and the x tile (2). With more, two k steps
+// an iteration with their own tiles (4-5 and 3 for the second): tiles are not renamed, so with
+// one set a step's loads wait for the previous step's products, which left memory idle long
+// enough that 17 rows cost 1.4x 16; with one x tile the second set made forwards slower (0.3-0.5
+// ms at 1-16 rows).
+constexpr int64_t kBlocksAhead = 2;
+
 template <bool kInt8, typename W>
 SPECINFER_TARGET(SPECINFER_AMX)
-void run_block(const W* w, int64_t w_stride, const XTiles& x, float* staged) {
+void run_block(const W* w, int64_t w_stride, const XTiles& x, float* staged, const W* ahead) {
   constexpr int64_t kK = kTileBytes / sizeof(W);  // k per tile row
   const int64_t w_bytes = w_stride * sizeof(W), x_bytes = 4 * x.width, step = x.tile_dwords();
   const W* w1 = w + kTile * w_stride;
+  if (x.m_tiles == 2) {
+    const uint32_t* b0 = x.data;
+    const uint32_t* b1 = x.data + x.k_tiles * step;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kb = 0; kb < x.k_tiles; ++kb) {
+      const char* next = reinterpret_cast<const char*>(ahead + kb * kK);
+      SPECINFER_UNROLL for (int r = 0; r < kBlockRows; ++r) {
+        _mm_prefetch(next + r * w_bytes, _MM_HINT_T1);  // never faults: no bounds check
+      }
+      _tile_loadd(6, w + kb * kK, w_bytes);
+      _tile_loadd(7, w1 + kb * kK, w_bytes);
+      _tile_loadd(4, b0 + kb * step, x_bytes);
+      _tile_loadd(5, b1 + kb * step, x_bytes);
+      SPECINFER_TILE_DOT(0, 6, 4)
+      SPECINFER_TILE_DOT(1, 7, 4)
+      SPECINFER_TILE_DOT(2, 6, 5)
+      SPECINFER_TILE_DOT(3, 7, 5)
+    }
+    _tile_stored(0, staged, 64);
+    _tile_stored(1, staged + kTileFloats, 64);
+    _tile_stored(2, staged + 2 * kTileFloats, 64);
+    _tile_stored(3, staged + 3 * kTileFloats, 64);
+    return;
+  }
   const int64_t paired = x.m_tiles == 1 ? 0 : x.k_tiles & ~int64_t(1);  // k steps taken two by two
   for (int64_t mt = 0; mt < x.m_tiles; ++mt) {
     const uint32_t* b = x.data + mt * x.k_tiles * step;
     _tile_zero(0);
     _tile_zero(1);
     for (int64_t kb = 0; kb < paired; kb += 2) {
-      _tile_loadd(4, w + kb * kK, w_bytes);
-      _tile_loadd(5, w1 + kb * kK, w_bytes);
+      _tile_loadd(6, w + kb * kK, w_bytes);
+      _tile_loadd(7, w1 + kb * kK, w_bytes);
       _tile_loadd(2, b + kb * step, x_bytes);
-      _tile_loadd(6, w + (kb + 1) * kK, w_bytes);
-      _tile_loadd(7, w1 + (kb + 1) * kK, w_bytes);
+      _tile_loadd(4, w + (kb + 1) * kK, w_bytes);
+      _tile_loadd(5, w1 + (kb + 1) * kK, w_bytes);
       _tile_loadd(3, b + (kb + 1) * step, x_bytes);
-      SPECINFER_TILE_DOT(0, 4, 2)
-      SPECINFER_TILE_DOT(1, 5, 2)
-      SPECINFER_TILE_DOT(0, 6, 3)
-      SPECINFER_TILE_DOT(1, 7, 3)
+      SPECINFER_TILE_DOT(0, 6, 2)
+      SPECINFER_TILE_DOT(1, 7, 2)
+      SPECINFER_TILE_DOT(0, 4, 3)
+      SPECINFER_TILE_DOT(1, 5, 3)
     }
     for (int64_t kb = paired; kb < x.k_tiles; ++kb) {
-      _tile_loadd(4, w + kb * kK, w_bytes);
-      _tile_loadd(5, w1 + kb * kK, w_bytes);
+      _tile_loadd(6, w + kb * kK, w_bytes);
+      _tile_loadd(7, w1 + kb * kK, w_bytes);
       _tile_loadd(2, b + kb * step, x_bytes);
-      SPECINFER_TILE_DOT(0, 4, 2)
-      SPECINFER_TILE_DOT(1, 5, 2)
+      SPECINFER_TILE_DOT(0, 6, 2)
+      SPECINFER_TILE_DOT(1, 7, 2)
     }
     float* out = staged + mt * 2 * kTileFloats;
     _tile_stored(0, out, 64);
@@ -205,14 +244,15 @@ void run_blocks(const LinearProblem& p, const XTiles& x, int64_t begin, int64_t 
       const int64_t n0 = b * kBlockRows, n_rows = std::min<int64_t>(kBlockRows, p.N - n0);
       float* staged = stages + (b - group) * stage_floats;
       if (n_rows == kBlockRows) {
-        run_block<kInt8>(w + n0 * p.w_stride, p.w_stride, x, staged);
+        const W* ahead = w + (n0 + kBlocksAhead * kBlockRows) * p.w_stride;  // only prefetched
+        run_block<kInt8>(w + n0 * p.w_stride, p.w_stride, x, staged, ahead);
       } else {  // the last, partial block: its rows copied, zero-padded, so no tile reads past w
         W* rows = thread_scratch<W, 3>(kBlockRows * p.K);
         std::memset(rows, 0, size_t(kBlockRows * p.K) * sizeof(W));
         for (int64_t n = 0; n < n_rows; ++n) {
           std::memcpy(rows + n * p.K, w + (n0 + n) * p.w_stride, size_t(p.K) * sizeof(W));
         }
-        run_block<kInt8>(rows, p.K, x, staged);
+        run_block<kInt8>(rows, p.K, x, staged, rows);
       }
     }
     for (int64_t b = group; b < group_end; ++b) {
