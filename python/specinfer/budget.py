@@ -404,17 +404,17 @@ class TreeBudget:
         if rows in self.cost:
             return self.cost[rows]
         timed = self._timed_rows()
-        split = bisect.bisect(timed, rows)
-        below, above = timed[:split], timed[split:]
-        if below and above:
-            lo, hi = below[-1], above[0]
+        split = bisect.bisect(timed, rows)  # timed[:split] below rows, the rest above
+        if 0 < split < len(timed):
+            lo, hi = timed[split - 1], timed[split]
             return self.cost[lo] + (self.cost[hi] - self.cost[lo]) * (rows - lo) / (hi - lo)
-        if len(below) >= 2:
-            hi = below[-1]
-            lo = max((r for r in below if 2 * r <= hi), default=below[0])
+        if split >= 2:
+            hi = timed[split - 1]
+            lo = timed[max(0, bisect.bisect(timed, hi // 2) - 1)]  # the largest at most hi / 2
             slope = max(0.0, (self.cost[hi] - self.cost[lo]) / (hi - lo))
             return self.cost[hi] + slope * (rows - hi)
-        bounds = [self.cost[r] for r in below] + [self.cost[r] * rows / r for r in above]
+        bounds = [self.cost[r] for r in timed[:split]]
+        bounds += [self.cost[r] * rows / r for r in timed[split:]]
         return max(bounds, default=0.0)
 
     def _timed_rows(self) -> list[int]:

@@ -121,14 +121,15 @@ def sample_all(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
     """Each sequence's next token from its row of logits [B, V]: the greedy ones without
     penalties through one max over their rows (a call per row cost 0.47 ms a step at batch 16),
     the others one by one."""
-    plain = [b for b, s in enumerate(seqs) if _plain_greedy(s)]
+    greedy = [_plain_greedy(s) for s in seqs]
+    plain = [b for b, g in enumerate(greedy) if g]
     tokens = [0] * len(seqs)
     if plain:
         rows = logits if len(plain) == len(seqs) else logits[plain]
         for b, token in zip(plain, greedy_tokens(rows).tolist()):
             tokens[b] = token
-    for b, s in enumerate(seqs):
-        if not _plain_greedy(s):
+    for b, (s, g) in enumerate(zip(seqs, greedy)):
+        if not g:
             tokens[b] = sample(s, logits[b])
     return tokens
 
