@@ -151,10 +151,11 @@ void write_block(const LinearProblem& p, const float* staged, int64_t n0, int64_
 // tiles (four accumulators), and the rows two blocks on are prefetched into L2, as the AVX-512
 // linear does (linear.cpp), since the hardware prefetcher keeps too few of a block's 32 row
 // streams in flight for the loads to overlap the four products a k step. The 120 projections of
-// SmolLM2-135M at 17 / 32 rows, 2 threads, alternated in one process: 11.25 / 12.10 ->
-// 10.90 / 11.56 ms (a pass per x tile, no prefetch); a target forward of 32 rows 19.5-20.8 ->
-// 18.4-18.5 ms. Elsewhere neither paid: the prefetch made 1-16 rows up to 10% slower, and 48-64
-// rows in pairs of x tiles made forwards 2-3 ms slower than a pass per x tile.
+// SmolLM2-135M at 17 / 32 rows, 2 threads, alternated in one process: 11.25 / 12.10 ms with a
+// pass per x tile and no prefetch, 10.90 / 11.56 so; a target forward of 32 rows 19.8-20.4 ->
+// 18.4-20.3 ms (bench_spec.py --sections rows, three runs each). Elsewhere neither paid: the
+// prefetch made 1-16 rows up to 10% slower, and 48-64 rows in pairs of x tiles made forwards 2-3 ms
+// slower than a pass per x tile.
 //
 // Otherwise each x tile takes its own pass (the block read again from L1/L2 after the first).
 // With one x tile, a k step loads two weight tiles (6-7) and the x tile (2). With more, two k steps

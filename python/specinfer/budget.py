@@ -410,7 +410,8 @@ class TreeBudget:
             return self.cost[lo] + (self.cost[hi] - self.cost[lo]) * (rows - lo) / (hi - lo)
         if split >= 2:
             hi = timed[split - 1]
-            lo = timed[max(0, bisect.bisect(timed, hi // 2) - 1)]  # the largest at most hi / 2
+            # The largest count at most hi / 2, else the smallest.
+            lo = timed[max(0, bisect.bisect(timed, hi // 2) - 1)]
             slope = max(0.0, (self.cost[hi] - self.cost[lo]) / (hi - lo))
             return self.cost[hi] + slope * (rows - hi)
         bounds = [self.cost[r] for r in timed[:split]]
