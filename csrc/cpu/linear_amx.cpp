@@ -253,7 +253,7 @@ void run_blocks(const LinearProblem& p, const XTiles& x, int64_t begin, int64_t 
         for (int64_t n = 0; n < n_rows; ++n) {
           std::memcpy(rows + n * p.K, w + (n0 + n) * p.w_stride, size_t(p.K) * sizeof(W));
         }
-        run_block<kInt8>(rows, p.K, x, staged, rows);
+        run_block<kInt8>(rows, p.K, x, staged, rows);  // nothing follows: prefetches itself
       }
     }
     for (int64_t b = group; b < group_end; ++b) {
