@@ -19,7 +19,7 @@ namespace {
 
 // Up to this many x rows the weight is streamed one row at a time: by the AVX2 kernel (run_avx2),
 // and by the tiles (run_tiles).
-constexpr int kStreamMaxRows = 8, kTileStreamMaxRows = 3;
+constexpr int kStreamMaxRows = 12, kTileStreamMaxRows = 3;
 
 // Calls tile(m0, mb) over rows [0, M) in tiles of at most max_mb rows, of nearly equal size (5 rows
 // at most 4 as 3 + 2, not 4 + 1), so no tile is left with a single row.
@@ -184,94 +184,122 @@ struct TileF32Avx512 {
 };
 
 // --- AVX2 + FMA ---
-// x is first converted to float32 rows padded with zeros to a multiple of 8 columns (it is small
+// x is first converted to float32 rows padded with zeros to a multiple of 16 columns (it is small
 // and read many times); the weight is converted to float32 as it streams by.
+//
+// The summation order of every output, whatever M is (so a row's result does not depend on the
+// rows beside it: a token tree's logits equal, bit for bit, those of decoding its nodes one at a
+// time): lane l of two accumulators a and b takes, 16 columns at a time, columns l, l + 8 (a) and
+// l + 4, l + 12 (b), l < 4, in order along K; then lane l of [a.lo + a.hi, b.lo + b.hi] sums a
+// column and the one 8 on, and the 8 lanes are summed horizontally. Two chains per lane hide the
+// FMA latency of a decode GEMV. Columns 0-3, 8-11 (and 4-7, 12-15) are what one unpack of 16 bf16
+// weights against zeros gives, so a weight vector costs a load and two unpacks; x is stored in
+// the same column order ("paired"), so each x vector is one aligned load.
 
-constexpr int64_t kVec = 8;  // floats per ymm register
+constexpr int64_t kStep = 16;  // columns a pair of vectors takes
 
-int64_t padded(int64_t k) { return (k + kVec - 1) / kVec * kVec; }
+int64_t padded(int64_t k) { return (k + kStep - 1) / kStep * kStep; }
 
-SPECINFER_TARGET(SPECINFER_AVX2) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-
-// bf16 -> fp32 is a 16-bit left shift of each widened element.
-SPECINFER_TARGET(SPECINFER_AVX2) inline __m256 load8(const bf16* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+// Columns [k, k + 16) at p as float32 vectors in paired order: a = 0-3, 8-11; b = 4-7, 12-15.
+SPECINFER_TARGET(SPECINFER_AVX2) inline void load16(const bf16* p, __m256& a, __m256& b) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  a = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), w));
+  b = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), w));
+}
+SPECINFER_TARGET(SPECINFER_AVX2) inline void load16(const float* p, __m256& a, __m256& b) {
+  const __m256 lo = _mm256_loadu_ps(p), hi = _mm256_loadu_ps(p + 8);
+  a = _mm256_permute2f128_ps(lo, hi, 0x20);
+  b = _mm256_permute2f128_ps(lo, hi, 0x31);
 }
 
-// dst[r, :] = float(src row r), r < rows, then zeros up to `width` columns (a multiple of 8).
+// The columns of src past the last whole 16 and zeros up to 16, for load16.
 template <typename T>
-SPECINFER_TARGET(SPECINFER_AVX2)
-void to_float_rows(const T* src, int64_t stride, int64_t rows, int64_t cols, float* dst,
-                   int64_t width) {
-  for (int64_t r = 0; r < rows; ++r, src += stride, dst += width) {
-    int64_t c = 0;
-    for (; c + kVec <= cols; c += kVec) _mm256_store_ps(dst + c, load8(src + c));
-    for (; c < width; ++c) dst[c] = c < cols ? to_float(src[c]) : 0.0f;
+SPECINFER_INLINE void tail16(const T* src, int64_t k_main, int64_t cols, T (&tail)[kStep]) {
+  for (int64_t k = 0; k < kStep; ++k) {
+    tail[k] = k_main + k < cols ? src[k_main + k] : from_float<T>(0.0f);
   }
 }
 
-// The summation order of every output, whatever M is (so a row's result does not depend on the
-// rows beside it: a token tree's logits equal, bit for bit, those of decoding its nodes one at a
-// time). The padded columns are taken 8 at a time; chunk c goes to accumulator c % kSplit; the
-// result is the horizontal sum of the accumulators added in order. Two chains per output hide
-// the FMA latency of a decode GEMV that walks one weight row at a time.
-constexpr int kSplit = 2;
-constexpr int64_t kStep = kSplit * kVec;
+// dst[r, :] = float(src row r) in paired order, r < rows, zero-padded to `width` (a multiple of
+// 16).
+template <typename T>
+SPECINFER_TARGET(SPECINFER_AVX2)
+void to_paired_rows(const T* src, int64_t stride, int64_t rows, int64_t cols, float* dst,
+                    int64_t width) {
+  const int64_t k_main = cols / kStep * kStep;
+  for (int64_t r = 0; r < rows; ++r, src += stride, dst += width) {
+    __m256 a, b;
+    for (int64_t c = 0; c < k_main; c += kStep) {
+      load16(src + c, a, b);
+      _mm256_store_ps(dst + c, a);
+      _mm256_store_ps(dst + c + 8, b);
+    }
+    if (k_main < width) {
+      T tail[kStep];
+      tail16(src, k_main, cols, tail);
+      load16(tail, a, b);
+      _mm256_store_ps(dst + k_main, a);
+      _mm256_store_ps(dst + k_main + 8, b);
+    }
+  }
+}
 
-// Columns [0, main_cols(K)) are read straight from the weight; the rest (and the zero padding up
-// to the padded width) from a zero-padded copy.
-int64_t main_cols(int64_t K) { return K / kStep * kStep; }
-
-// The end of the kSplit order: the accumulators added in order, then summed horizontally.
-SPECINFER_TARGET(SPECINFER_AVX2) inline float split_sum(const __m256 (&acc)[kSplit]) {
-  __m256 sum = acc[0];
-  for (int s = 1; s < kSplit; ++s) sum = _mm256_add_ps(sum, acc[s]);
-  return hsum256(sum);
+// The end of the order: [a.lo + a.hi, b.lo + b.hi], summed horizontally.
+SPECINFER_TARGET(SPECINFER_AVX2) inline float paired_sum(__m256 a, __m256 b) {
+  return hsum256(
+      _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31)));
 }
 
 // Up to kStreamMaxRows rows (decode, small trees): weight rows one after another, so the weight
 // is one sequential stream, which the hardware prefetches best (the next row is prefetched as this
-// one is read). Each 8 weight columns are converted in registers and meet up to kMaxStreamMB rows
-// of x, which stay in L1; further rows take another pass over the weight row while it is in L1.
-// Measured (bf16, 2 threads, 49152 x 576): 2 rows cost 1.05x one row, 4 rows 1.4x; the panel
-// tiles below cost 1.7x and 2.3x. Two weight rows at a time (each x load feeding two FMAs) was
-// slower still: the two interleaved streams prefetch worse.
-constexpr int kMaxStreamMB = 4;
+// one is read). Each 16 weight columns are converted in registers and meet up to kMaxStreamMB rows
+// of x (two accumulators a row; two registers hold the weights); further rows take another pass
+// over the weight row while it is in L1. Measured (bf16, 2 threads, the 30 layers' projections
+// and the LM head of SmolLM2-135M from DRAM, Zen 3, best of 7): 1 / 4 / 6 / 9 / 10 rows 12.4 /
+// 15.8 / 21.6 / 32.3 / 37.7 ms with 8 columns converted at a time, 4 x rows a pass and panels
+// past 8 rows, against 12.3 / 12.6 / 17.1 / 25.8 / 28.7 now: past ~5 rows the two threads' FMAs
+// are the bound (~6 G a second). 7 rows a pass (all 16 registers) measured slower than 4 + 3;
+// at 12 rows streaming and the panels below are even.
+constexpr int kMaxStreamMB = 6;
+
+// acc_a[i] += x[i, 0:8] * a, acc_b[i] += x[i, 8:16] * b for the MB x rows `width` apart.
+template <int MB>
+SPECINFER_TARGET(SPECINFER_AVX2)
+SPECINFER_INLINE void madd_rows(const float* x, int64_t width, __m256 a, __m256 b,
+                                __m256 (&acc_a)[MB], __m256 (&acc_b)[MB]) {
+  SPECINFER_UNROLL for (int i = 0; i < MB; ++i) {
+    acc_a[i] = _mm256_fmadd_ps(_mm256_load_ps(x + i * width), a, acc_a[i]);
+    acc_b[i] = _mm256_fmadd_ps(_mm256_load_ps(x + i * width + 8), b, acc_b[i]);
+  }
+}
 
 template <typename T, int MB>
 SPECINFER_TARGET(SPECINFER_AVX2)
 void stream_row_avx2(const LinearProblem& p, const float* x, int64_t width, int64_t m0, int64_t n) {
-  const int64_t k_main = main_cols(p.K);
+  const int64_t k_main = p.K / kStep * kStep;
   const T* w = static_cast<const T*>(p.w) + n * p.w_stride;
   x += m0 * width;
-  __m256 acc[MB][kSplit];
-  for (int i = 0; i < MB; ++i) {
-    for (int s = 0; s < kSplit; ++s) acc[i][s] = _mm256_setzero_ps();
+  __m256 acc_a[MB], acc_b[MB], a, b;
+  SPECINFER_UNROLL for (int i = 0; i < MB; ++i) {
+    acc_a[i] = _mm256_setzero_ps();
+    acc_b[i] = _mm256_setzero_ps();
   }
   for (int64_t k = 0; k < k_main; k += kStep) {
     if (m0 == 0 && k % (64 / sizeof(T)) < kStep) {
       _mm_prefetch(reinterpret_cast<const char*>(w + p.w_stride + k), _MM_HINT_T0);
     }
-    for (int s = 0; s < kSplit; ++s) {
-      const __m256 wv = load8(w + k + s * kVec);
-      for (int i = 0; i < MB; ++i) {
-        acc[i][s] = _mm256_fmadd_ps(_mm256_load_ps(x + i * width + k + s * kVec), wv, acc[i][s]);
-      }
-    }
+    load16(w + k, a, b);
+    madd_rows<MB>(x + k, width, a, b, acc_a, acc_b);
   }
   if (k_main < width) {
-    alignas(32) float tail[kStep] = {};
-    for (int64_t k = k_main; k < p.K; ++k) tail[k - k_main] = to_float(w[k]);
-    for (int s = 0; k_main + s * kVec < width; ++s) {
-      const __m256 wv = _mm256_load_ps(tail + s * kVec);
-      for (int i = 0; i < MB; ++i) {
-        acc[i][s] =
-            _mm256_fmadd_ps(_mm256_load_ps(x + i * width + k_main + s * kVec), wv, acc[i][s]);
-      }
-    }
+    T tail[kStep];
+    tail16(w, k_main, p.K, tail);
+    load16(tail, a, b);
+    madd_rows<MB>(x + k_main, width, a, b, acc_a, acc_b);
   }
-  for (int i = 0; i < MB; ++i) store_output<T>(p, m0 + i, n, split_sum(acc[i]));
+  SPECINFER_UNROLL for (int i = 0; i < MB; ++i) {
+    store_output<T>(p, m0 + i, n, paired_sum(acc_a[i], acc_b[i]));
+  }
 }
 
 template <typename T>
@@ -280,19 +308,29 @@ void stream_rows_avx2(const LinearProblem& p, const float* x, int64_t width, int
                       int64_t n_end) {
   for (int64_t n = n_begin; n < n_end; ++n) {
     for_each_row_tile(p.M, kMaxStreamMB, [&](int64_t m0, int64_t mb) {
-      if (mb == 4) stream_row_avx2<T, 4>(p, x, width, m0, n);
-      if (mb == 3) stream_row_avx2<T, 3>(p, x, width, m0, n);
-      if (mb == 2) stream_row_avx2<T, 2>(p, x, width, m0, n);
-      if (mb == 1) stream_row_avx2<T, 1>(p, x, width, m0, n);
+      switch (mb) {
+        case 1:
+          return stream_row_avx2<T, 1>(p, x, width, m0, n);
+        case 2:
+          return stream_row_avx2<T, 2>(p, x, width, m0, n);
+        case 3:
+          return stream_row_avx2<T, 3>(p, x, width, m0, n);
+        case 4:
+          return stream_row_avx2<T, 4>(p, x, width, m0, n);
+        case 5:
+          return stream_row_avx2<T, 5>(p, x, width, m0, n);
+        default:
+          return stream_row_avx2<T, kMaxStreamMB>(p, x, width, m0, n);
+      }
     });
   }
 }
 
 // Tiles (more rows): a block of kBlockRows weight rows (contiguous in memory, so one sequential
-// read) is converted to float32 into a panel that stays in L1, then every tile of up to kMaxMB x
-// rows meets the whole block: per 8 columns kBlockRows + MB loads feed kBlockRows x MB FMAs. The
-// chunk parities of the kSplit order are summed in separate passes over the panel, so a pass
-// holds only kBlockRows x MB accumulators (12, plus the x registers).
+// read) is converted to float32 (paired order) into a panel that stays in L1, then every tile of
+// up to kMaxMB x rows meets the whole block: per 8 columns kBlockRows + MB loads feed kBlockRows x
+// MB FMAs. The a and b halves of the order are summed in separate passes over the panel, so a
+// pass holds only kBlockRows x MB accumulators (12, plus the x registers).
 constexpr int kBlockRows = 4, kMaxMB = 3;
 
 template <typename T, int MB>
@@ -300,28 +338,30 @@ SPECINFER_TARGET(SPECINFER_AVX2)
 void block_tile_avx2(const LinearProblem& p, const float* x, int64_t width, const float* panel,
                      int64_t m0, int64_t n0) {
   x += m0 * width;
-  __m256 part[MB][kBlockRows][kSplit];
-  for (int s = 0; s < kSplit; ++s) {
+  __m256 part[2][MB][kBlockRows];  // the a and b accumulators
+  SPECINFER_UNROLL for (int half = 0; half < 2; ++half) {
     __m256 acc[MB][kBlockRows];
-    for (int i = 0; i < MB; ++i) {
-      for (int j = 0; j < kBlockRows; ++j) acc[i][j] = _mm256_setzero_ps();
+    SPECINFER_UNROLL for (int i = 0; i < MB; ++i) {
+      SPECINFER_UNROLL for (int j = 0; j < kBlockRows; ++j) acc[i][j] = _mm256_setzero_ps();
     }
-    for (int64_t k = s * kVec; k < width; k += kStep) {
+    for (int64_t k = half * 8; k < width; k += kStep) {
       __m256 xv[MB];
-      for (int i = 0; i < MB; ++i) xv[i] = _mm256_load_ps(x + i * width + k);
-      for (int j = 0; j < kBlockRows; ++j) {
+      SPECINFER_UNROLL for (int i = 0; i < MB; ++i) xv[i] = _mm256_load_ps(x + i * width + k);
+      SPECINFER_UNROLL for (int j = 0; j < kBlockRows; ++j) {
         const __m256 wv = _mm256_load_ps(panel + j * width + k);
-        for (int i = 0; i < MB; ++i) acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
+        SPECINFER_UNROLL for (int i = 0; i < MB; ++i) {
+          acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
+        }
       }
     }
-    for (int i = 0; i < MB; ++i) {
-      for (int j = 0; j < kBlockRows; ++j) part[i][j][s] = acc[i][j];
+    SPECINFER_UNROLL for (int i = 0; i < MB; ++i) {
+      SPECINFER_UNROLL for (int j = 0; j < kBlockRows; ++j) part[half][i][j] = acc[i][j];
     }
   }
   const int nb = int(std::min<int64_t>(kBlockRows, p.N - n0));
   for (int i = 0; i < MB; ++i) {
     for (int j = 0; j < nb; ++j) {
-      store_output<T>(p, m0 + i, n0 + j, split_sum(part[i][j]));
+      store_output<T>(p, m0 + i, n0 + j, paired_sum(part[0][i][j], part[1][i][j]));
     }
   }
 }
@@ -331,7 +371,7 @@ SPECINFER_TARGET(SPECINFER_AVX2)
 void gemm_block_avx2(const LinearProblem& p, const float* x, int64_t width, int64_t block) {
   float* panel = thread_scratch<float, 1>(kBlockRows * width);
   const int64_t n0 = block * kBlockRows, rows = std::min<int64_t>(kBlockRows, p.N - n0);
-  to_float_rows(static_cast<const T*>(p.w) + n0 * p.w_stride, p.w_stride, rows, p.K, panel, width);
+  to_paired_rows(static_cast<const T*>(p.w) + n0 * p.w_stride, p.w_stride, rows, p.K, panel, width);
   std::fill(panel + rows * width, panel + kBlockRows * width, 0.0f);
   for_each_row_tile(p.M, kMaxMB, [&](int64_t m0, int64_t mb) {
     if (mb == 3) block_tile_avx2<T, 3>(p, x, width, panel, m0, n0);
@@ -344,8 +384,8 @@ template <typename T>
 void run_avx2(const LinearProblem& p, bool parallel) {
   const int64_t width = padded(p.K);
   float* x = thread_scratch<float, 0>(p.M * width);
-  to_float_rows(static_cast<const T*>(p.x), p.x_stride, p.M, p.K, x, width);
-  // Both paths sum every output in the order given at kSplit.
+  to_paired_rows(static_cast<const T*>(p.x), p.x_stride, p.M, p.K, x, width);
+  // Both paths sum every output in the order given above.
   const bool stream = p.M <= kStreamMaxRows;
   const int64_t per_block = stream ? 16 : kBlockRows;
   const int64_t blocks = (p.N + per_block - 1) / per_block;

@@ -21,7 +21,7 @@ struct LinearProblem {
 
 // A buffer of at least n elements, 64-byte aligned, owned by the calling thread and reused by its
 // later calls: one per (type, role), so buffers one call needs at once never share (the AVX2 path
-// takes roles 0-1, AMX 2-4, int8 5-8).
+// takes roles 0-1, AMX 2-4, int8 5-9).
 template <typename T, int Role>
 T* thread_scratch(int64_t n) {
   thread_local std::vector<T> buf;

@@ -4,7 +4,7 @@
 // quantized per row to int8 (its own scale, max |x| / 127) once per call, and the dot products
 // are exact int32 sums: out[m, n] = scale_x[m] scale[n] sum_k xq[m, k] (c[n, k] - 128) + bias[n].
 //
-// Integer sums do not depend on their order, so every kernel family (AVX512-VNNI, or the
+// Integer sums do not depend on their order, so every kernel family (AVX512-VNNI, AVX2, or the
 // compiler's vectorisation of the portable loop) gives the same bits, and a row's result never
 // depends on the rows beside it.
 #include <algorithm>
@@ -36,7 +36,8 @@ constexpr int64_t kPad = 64;  // quantized x rows are padded to whole 64-byte ve
 constexpr int kZero = 128;    // the weight codes' zero point
 
 struct Int8Problem {
-  const int8_t* x;  // [M, Kp] quantized x, rows Kp apart (zeros past K)
+  const int8_t* x;     // [M, Kp] quantized x, rows Kp apart (zeros past K)
+  const int16_t* x16;  // the same widened to 16 bits, for the kernels that want it (else null)
   const uint8_t* w;
   int64_t w_stride, M, K, Kp;
 };
@@ -115,18 +116,80 @@ void tile_vnni_any(const Int8Problem& p, int64_t n0, int nb, int64_t m0, int mb,
   for (int r = 0; r < nb; ++r) tile_vnni_rows<1>(p, n0 + r, m0, mb, dots + r * kRows);
 }
 
+// AVX2 has no byte dot product that cannot saturate (VPMADDUBSW adds two products of up to 255 x
+// 127 in 16 bits), so the codes are widened to 16 bits as they stream by and meet x widened once
+// per call (x16): VPMADDWD adds pairs of products exactly into 32 bits. One weight row at a time
+// meets all mb x rows while its 16 columns are in a register. Measured (a feature head's two
+// layers and 8192-row LM head, 2 threads, caches flushed between calls, Zen 3): 1 / 4 / 8 rows
+// 1.44 / 5.3 / 10.5 ms with the compiler's vectorisation of the portable loop, 0.87 / 1.2 / 2.2.
+// acc[i] += pair sums of 16 codes times x16 row i's 16 values at x (rows Kp apart).
+template <int MB>
+SPECINFER_TARGET(SPECINFER_AVX2)
+SPECINFER_INLINE void madd_codes(__m128i codes, const int16_t* x, int64_t Kp, __m256i (&acc)[MB]) {
+  const __m256i wv = _mm256_cvtepu8_epi16(codes);
+  SPECINFER_UNROLL for (int i = 0; i < MB; ++i) {
+    const __m256i xv = _mm256_load_si256(reinterpret_cast<const __m256i*>(x + i * Kp));
+    acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(wv, xv));
+  }
+}
+
+template <int MB>
+SPECINFER_TARGET(SPECINFER_AVX2)
+void dots_row_avx2(const Int8Problem& p, const uint8_t* w, int64_t m0, int32_t* dots) {
+  const int16_t* x = p.x16 + m0 * p.Kp;
+  const int64_t k_main = p.K / 16 * 16;
+  __m256i acc[MB];
+  SPECINFER_UNROLL for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_si256();
+  for (int64_t k = 0; k < k_main; k += 16) {
+    madd_codes(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k)), x + k, p.Kp, acc);
+  }
+  if (k_main < p.K) {  // the codes past K are read as zeros (x is zero there too)
+    alignas(16) uint8_t tail[16] = {};
+    std::copy(w + k_main, w + p.K, tail);
+    madd_codes(_mm_load_si128(reinterpret_cast<const __m128i*>(tail)), x + k_main, p.Kp, acc);
+  }
+  SPECINFER_UNROLL for (int i = 0; i < MB; ++i) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(acc[i]), _mm256_extracti128_si256(acc[i], 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+    dots[i] = _mm_cvtsi128_si32(s);
+  }
+}
+
 SPECINFER_TARGET(SPECINFER_AVX2)
 void tile_avx2(const Int8Problem& p, int64_t n0, int nb, int64_t m0, int mb, int32_t* dots) {
-  tile_portable(p, n0, nb, m0, mb, dots);  // vectorised for AVX2 here
+  for (int r = 0; r < nb; ++r) {
+    const uint8_t* w = p.w + (n0 + r) * p.w_stride;
+    int32_t* out = dots + r * kRows;
+    switch (mb) {
+      case 1:
+        dots_row_avx2<1>(p, w, m0, out);
+        break;
+      case 2:
+        dots_row_avx2<2>(p, w, m0, out);
+        break;
+      case 3:
+        dots_row_avx2<3>(p, w, m0, out);
+        break;
+      default:
+        dots_row_avx2<4>(p, w, m0, out);
+    }
+  }
 }
 #endif
 
-Int8TileFn select_tile_kernel() {
+// A tile function, and whether it reads x widened to 16 bits.
+struct Int8Kernel {
+  Int8TileFn tile;
+  bool wide_x;
+};
+
+Int8Kernel select_tile_kernel() {
 #ifdef SPECINFER_HAVE_X86
-  if (has_avx512_vnni()) return tile_vnni_any;
-  if (has_avx2_fma()) return tile_avx2;
+  if (has_avx512_vnni()) return {tile_vnni_any, false};
+  if (has_avx2_fma()) return {tile_avx2, true};
 #endif
-  return tile_portable;
+  return {tile_portable, false};
 }
 
 // x's rows as int8 round(x / s), s = max |x| / 127 (1 for a zero row), zeros past K.
@@ -158,10 +221,15 @@ void quantize_rows(const TensorView& x, int64_t Kp, int8_t* xq, float* scales, i
 }
 
 // dots[m, n] = sum_k xq[m, k] c[n, k], on AMX tiles or in tiles of kBlock x kRows.
-void int8_dots(const Int8Problem& p, int64_t N, int32_t* dots, bool parallel) {
+void int8_dots(Int8Problem p, int64_t N, int32_t* dots, bool parallel) {
   LinearProblem amx{p.x, p.w, nullptr, dots, p.Kp, p.w_stride, N, 0, p.M, N, p.K};
   if (p.K == p.Kp && run_linear_amx_int8(amx, parallel)) return;
-  const Int8TileFn tile = select_tile_kernel();
+  const Int8Kernel kernel = select_tile_kernel();
+  if (kernel.wide_x) {
+    int16_t* x16 = thread_scratch<int16_t, 9>(p.M * p.Kp);
+    std::copy(p.x, p.x + p.M * p.Kp, x16);
+    p.x16 = x16;
+  }
   const int64_t blocks = (N + kBlock - 1) / kBlock;
 #pragma omp parallel for schedule(static) if (parallel)
   for (int64_t block = 0; block < blocks; ++block) {
@@ -170,7 +238,7 @@ void int8_dots(const Int8Problem& p, int64_t N, int32_t* dots, bool parallel) {
     for (int64_t m0 = 0; m0 < p.M; m0 += kRows) {
       alignas(64) int32_t tile_dots[kBlock * kRows];
       const int mb = int(std::min<int64_t>(kRows, p.M - m0));
-      tile(p, n0, nb, m0, mb, tile_dots);
+      kernel.tile(p, n0, nb, m0, mb, tile_dots);
       for (int r = 0; r < nb; ++r) {
         for (int i = 0; i < mb; ++i) dots[(m0 + i) * N + n0 + r] = tile_dots[r * kRows + i];
       }
@@ -271,7 +339,7 @@ void dequantize(const Dequant& d, bool parallel) {
 template <typename T>
 void run(const TensorView& x, const TensorView& w, const TensorView& scale, const TensorView* bias,
          const TensorView& out) {
-  Int8Problem p;
+  Int8Problem p{};
   p.M = x.shape[0];
   p.K = x.shape[1];
   p.Kp = (p.K + kPad - 1) / kPad * kPad;
