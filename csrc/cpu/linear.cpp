@@ -258,7 +258,7 @@ SPECINFER_TARGET(SPECINFER_AVX2) inline float paired_sum(__m256 a, __m256 b) {
 // and the LM head of SmolLM2-135M from DRAM, Zen 3, best of 7): 1 / 4 / 6 / 9 / 10 rows 12.4 /
 // 15.8 / 21.6 / 32.3 / 37.7 ms with 8 columns converted at a time, 4 x rows a pass and panels
 // past 8 rows, against 12.3 / 12.6 / 17.1 / 25.8 / 28.7 now: past ~5 rows the two threads' FMAs
-// are the bound (~6 G a second). 7 rows a pass (all 16 registers) measured slower than 4 + 3;
+// are the bound (~6 G a second). 7 rows a pass (all 16 registers) measured no faster than 4 + 3;
 // at 12 rows streaming and the panels below are even.
 constexpr int kMaxStreamMB = 6;
 

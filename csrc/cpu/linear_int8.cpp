@@ -122,6 +122,7 @@ void tile_vnni_any(const Int8Problem& p, int64_t n0, int nb, int64_t m0, int mb,
 // meets all mb x rows while its 16 columns are in a register. Measured (a feature head's two
 // layers and 8192-row LM head, 2 threads, caches flushed between calls, Zen 3): 1 / 4 / 8 rows
 // 1.44 / 5.3 / 10.5 ms with the compiler's vectorisation of the portable loop, 0.87 / 1.2 / 2.2.
+
 // acc[i] += pair sums of 16 codes times x16 row i's 16 values at x (rows Kp apart).
 template <int MB>
 SPECINFER_TARGET(SPECINFER_AVX2)
