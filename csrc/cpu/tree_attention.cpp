@@ -8,8 +8,9 @@
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include "cpu/tree_attention_amx.h"
+#include "cpu/tree_attention_avx2.h"
 #include "cpu/tree_attention_avx512.h"
-#define SPECINFER_HAS_AVX512_TILES 1
+#define SPECINFER_HAS_X86_TILES 1
 #endif
 
 #ifdef _OPENMP
@@ -40,14 +41,14 @@ template <typename T>
 SPECINFER_TARGET(SPECINFER_AVX512)
 void block_avx512(const TreeAttentionProblem<T>& p, int64_t b, int64_t h, int64_t r0, int64_t r1,
                   int64_t keys, float* w) {
-#ifdef SPECINFER_HAS_AVX512_TILES
+#ifdef SPECINFER_HAS_X86_TILES
   dispatch_head_dim<T, Avx512Tiles>(p, b, h, r0, r1, keys, w);
 #else
   dispatch_head_dim(p, b, h, r0, r1, keys, w);
 #endif
 }
 
-#ifdef SPECINFER_HAS_AVX512_TILES
+#ifdef SPECINFER_HAS_X86_TILES
 // bf16 on AMX: the scores on tiles (head dims 64 and 128), the rest as block_avx512.
 SPECINFER_TARGET(SPECINFER_AMX)
 void block_amx(const TreeAttentionProblem<bf16>& p, int64_t b, int64_t h, int64_t r0, int64_t r1,
@@ -60,7 +61,11 @@ template <typename T>
 SPECINFER_TARGET(SPECINFER_AVX2)
 void block_avx2(const TreeAttentionProblem<T>& p, int64_t b, int64_t h, int64_t r0, int64_t r1,
                 int64_t keys, float* w) {
+#ifdef SPECINFER_HAS_X86_TILES
+  dispatch_head_dim<T, Avx2Tiles>(p, b, h, r0, r1, keys, w);
+#else
   dispatch_head_dim(p, b, h, r0, r1, keys, w);
+#endif
 }
 
 template <typename T>
@@ -106,7 +111,7 @@ void run(const TreeAttentionArgs& a, const std::vector<int64_t>& rows,
   } else if (has_avx2_fma()) {
     block = block_avx2<T>;
   }
-#ifdef SPECINFER_HAS_AVX512_TILES
+#ifdef SPECINFER_HAS_X86_TILES
   if constexpr (std::is_same_v<T, bf16>) {
     if (has_amx_bf16()) block = block_amx;
   }
