@@ -158,6 +158,11 @@ def latency_ms(engine: Engine, prompts: list, tokens: int, batch: int, sampling=
         "ms_per_token": 1000 * decode_s / (len(groups) * (tokens - 1)),
         "tokens_per_step": sum(o.metrics["generated_tokens"] - 1 for o in outs)
         / max(1, sum(o.metrics["steps"] for o in outs)),
+        # Nodes of the verified tree a request had a step, root included: the target forward's
+        # rows per request, what the cut let trees grow to (no drafter: no tree, one row).
+        "nodes_per_step": sum(o.metrics["tree_nodes"] for o in outs)
+        / max(1, sum(o.metrics["steps"] for o in outs))
+        or 1.0,
         "breakdown_ms_per_step": {
             **{k: ms_per_step(k) for k in ("ssm_s", "target_s", "verify_s", "commit_s")},
             "per_ssm": {name: ms_per_step("ssm_s", i) for i, name in enumerate(per_ssm)},
@@ -373,7 +378,7 @@ def paired(base: dict, args, prompts: list, batch: int = 1) -> dict:
     for name, rows in runs.items():
         result[name] = {
             key: sum(r[key] for r in rows) / len(rows)
-            for key in ("ms_per_token", "tokens_per_step")
+            for key in ("ms_per_token", "tokens_per_step", "nodes_per_step")
         }
         result[name]["ms_per_step"] = sum(
             r["ms_per_token"] * r["tokens_per_step"] for r in rows
@@ -397,7 +402,7 @@ def paired(base: dict, args, prompts: list, batch: int = 1) -> dict:
             # What this configuration's steps would have to yield to halve incremental latency.
             row["tokens_per_step_for_2x"] = 2 * row["ms_per_step"] / base_ms
         print(f"paired batch {batch} {name}: {row['ms_per_token']:.1f} ms/token, "
-              f"{row['tokens_per_step']:.2f} tokens/step "
+              f"{row['tokens_per_step']:.2f} tokens/step of {row['nodes_per_step']:.2f} nodes "
               f"(2x needs {row.get('tokens_per_step_for_2x', float('nan')):.2f}), "
               f"{row.get('speedup_vs_incremental', float('nan')):.2f}x incremental")  # fmt: skip
     return result
