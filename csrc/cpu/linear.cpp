@@ -257,9 +257,10 @@ SPECINFER_TARGET(SPECINFER_AVX2) inline float paired_sum(__m256 a, __m256 b) {
 // over the weight row while it is in L1. Measured (bf16, 2 threads, the 30 layers' projections
 // and the LM head of SmolLM2-135M from DRAM, Zen 3, best of 7): 1 / 4 / 6 / 9 / 10 rows 12.4 /
 // 15.8 / 21.6 / 32.3 / 37.7 ms with 8 columns converted at a time, 4 x rows a pass and panels
-// past 8 rows, against 12.3 / 12.6 / 17.1 / 25.8 / 28.7 now: past ~5 rows the two threads' FMAs
-// are the bound (~6 G a second). 7 rows a pass (all 16 registers) measured no faster than 4 + 3;
-// at 12 rows streaming and the panels below are even.
+// past 8 rows, against 12.3 / 12.6 / 17.1 / 25.8 / 28.7 now: past ~5 rows each row adds its
+// arithmetic (~6 G 8-lane FMAs a second, half the two cores' peak: in L1 this loop reaches ~80%,
+// but the weight stream from DRAM and the FMAs overlap only partly). 7 rows a pass (all 16
+// registers) measured no faster than 4 + 3; at 12 rows streaming and the panels below are even.
 constexpr int kMaxStreamMB = 6;
 
 // acc_a[i] += x[i, 0:8] * a, acc_b[i] += x[i, 8:16] * b for the MB x rows `width` apart.
