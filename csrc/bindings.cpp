@@ -151,6 +151,14 @@ void linear(py::handle x, py::handle weight, py::handle bias, py::handle out) {
                });
 }
 
+void pack_linear_panels(py::handle weight, py::handle out) {
+  const std::string op = "pack_linear_panels";
+  Borrowed bw = borrow(weight, op, "weight"), bout = borrow(out, op, "out");
+  OpGraph::refuse(op);
+  py::gil_scoped_release release;
+  pack_linear_panels_cpu(bw.view, bout.view);
+}
+
 void linear_int8(py::handle x, py::handle weight, py::handle scale, py::handle bias,
                  py::handle out) {
   const std::string op = "linear_int8";
@@ -328,6 +336,12 @@ PYBIND11_MODULE(_C, m) {
         "the host check of cache_rows and prefix_lens on CUDA (no copy, no wait).");
   m.def("linear", &linear, py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"),
         "out = x @ weight.T + bias on cpu (bias may be None); float32 or bfloat16.");
+  m.def("pack_linear_panels", &pack_linear_panels, py::arg("weight"), py::arg("out"),
+        "out[n // 16, k, slot(n % 16)] = weight[n, k]: the layout linear takes as a 3-d weight "
+        "(out [out_features / 16, in_features, 16], same dtype).");
+  m.def("linear_panels_preferred", &linear_panels_preferred, py::arg("dtype"),
+        "Whether packed weights run this CPU's fastest linear for dtype ('float32' or "
+        "'bfloat16').");
   m.def("linear_int8", &linear_int8, py::arg("x"), py::arg("weight"), py::arg("scale"),
         py::arg("bias"), py::arg("out"),
         "out = (x @ weight.T) * scale + bias on cpu: int8 weight, float32 scale per output "

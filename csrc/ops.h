@@ -15,6 +15,14 @@ void tree_attention_cpu(const TreeAttentionArgs& args);
 void linear_cpu(const TensorView& x, const TensorView& weight, const TensorView* bias,
                 const TensorView& out);
 
+// The same with the weight packed in panels of 16 output features, [N / 16, K, 16]
+// (pack_linear_panels_cpu); linear_cpu takes this path for a 3-d weight.
+void linear_panels_cpu(const TensorView& x, const TensorView& weight, const TensorView* bias,
+                       const TensorView& out);
+void pack_linear_panels_cpu(const TensorView& weight, const TensorView& out);
+// Whether the panel kernel is this CPU's fastest linear for `dtype` ("float32" or "bfloat16").
+bool linear_panels_preferred(const std::string& dtype);
+
 // The size and layout checks both linears share (after their ndim, device and dtype checks).
 void check_linear_sizes(const std::string& op, const TensorView& x, const TensorView& weight,
                         const TensorView* bias, const TensorView& out);

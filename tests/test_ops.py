@@ -586,6 +586,132 @@ def test_ops_linear_dispatch(monkeypatch):
     assert not calls
 
 
+def packed(w: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(w.shape[0] // 16, w.shape[1], 16, dtype=w.dtype)
+    _C.pack_linear_panels(w, out)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 13, 64])
+# (80, 33): 5 panels, so at one row (4 panels a tile) the last is taken alone.
+@pytest.mark.parametrize("n,k", [(16, 1), (576, 576), (48, 1536), (80, 33), (1152, 64)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_matches_torch(dtype, rows, n, k, with_bias):
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / math.sqrt(k)).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+    out = torch.empty(rows, n, dtype=dtype)
+    _C.linear(x, packed(w), bias, out)
+    expected = torch.nn.functional.linear(
+        x.double(), w.double(), None if bias is None else bias.double()
+    )
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.double(), expected, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(96, 576), (208, 77), (48, 1536), (16, 5), (80, 40)])
+def test_packed_linear_row_does_not_depend_on_the_other_rows(dtype, n, k):
+    """Every output of the panel kernel is one FMA chain along K, whichever tile computes it."""
+    gen = torch.Generator().manual_seed(n)
+    w = packed(torch.randn(n, k, generator=gen).to(dtype))
+    bias = torch.randn(n, generator=gen).to(dtype)
+    for rows in (2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 33):
+        x = torch.randn(rows, k, generator=gen).to(dtype)
+        out = torch.empty(rows, n, dtype=dtype)
+        _C.linear(x, w, bias, out)
+        for i in range(rows):
+            one = torch.empty(1, n, dtype=dtype)
+            _C.linear(x[i : i + 1], w, bias, one)
+            assert torch.equal(one[0], out[i]), f"{rows} rows, row {i}"
+
+
+PACKED_PROBE = """
+import sys, torch
+from specinfer import _C
+gen = torch.Generator().manual_seed(0)
+outs = []
+for dtype in (torch.float32, torch.bfloat16):
+    w = torch.randn(4096 + 64, 77, generator=gen).to(dtype)
+    bias = torch.randn(w.shape[0], generator=gen).to(dtype)
+    p = torch.empty(w.shape[0] // 16, 77, 16, dtype=dtype)
+    _C.pack_linear_panels(w, p)
+    x = torch.randn(9, 77, generator=gen).to(dtype)
+    for rows in (1, 2, 3, 7, 9):
+        out = torch.empty(rows, w.shape[0], dtype=dtype)
+        _C.linear(x[:rows], p, bias, out)
+        outs.append(out)
+torch.save(outs, sys.argv[1])
+"""
+
+
+def test_packed_linear_sums_as_the_portable_kernel(tmp_path):
+    """The summation order, pinned: the vector kernel's bits are the portable one's (std::fma
+    along K, output by output); both families run on every x86 CI machine."""
+    if _C.cpu_isa() == "portable":
+        pytest.skip("this CPU runs the portable kernel only")
+    runs = {}
+    for isa in ("native", "portable"):
+        path = tmp_path / f"{isa}.pt"
+        subprocess.run([sys.executable, "-c", PACKED_PROBE, str(path)], check=True, timeout=120,
+                       env={**os.environ, "SPECINFER_CPU_ISA": isa})  # fmt: skip
+        runs[isa] = torch.load(path)
+    for native, portable in zip(runs["native"], runs["portable"], strict=True):
+        assert torch.equal(native, portable)
+
+
+def test_pack_linear_only_where_the_panel_kernel_is_preferred(monkeypatch):
+    w = torch.randn(32, 24).bfloat16()
+    monkeypatch.setattr(ops, "panels_preferred", lambda dtype: True)
+    p = ops.pack_linear(w)
+    assert p.shape == (2, 24, 16) and p.dtype == torch.bfloat16
+    # Panel 1 holds output features 16-31 (in the kernel's slot order) at every column.
+    assert sorted(p[1, 3].tolist()) == sorted(w[16:32, 3].tolist())
+    assert ops.pack_linear(torch.randn(40, 24).bfloat16()) is None  # 40 % 16 != 0
+    monkeypatch.setattr(ops, "panels_preferred", lambda dtype: False)
+    assert ops.pack_linear(w) is None
+
+
+def test_ops_linear_takes_a_packed_weight():
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 40, generator=gen).bfloat16()
+    bias = torch.randn(48, generator=gen).bfloat16()
+    x = torch.randn(2, 5, 40, generator=gen).bfloat16()
+    got = ops.linear(x, packed(w), bias)
+    assert got.shape == (2, 5, 48)
+    expected = torch.nn.functional.linear(x.float(), w.float(), bias.float())
+    torch.testing.assert_close(got.float(), expected, atol=3e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="packed weight .* runs only in the compiled CPU kernel"):
+        ops.linear(x.float().requires_grad_(), packed(w.float()).requires_grad_())
+
+
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (lambda: _C.pack_linear_panels(torch.zeros(24, 8), torch.zeros(1, 8, 16)),
+         "out_features must be a multiple of 16"),
+        (lambda: _C.pack_linear_panels(torch.zeros(32, 8), torch.zeros(2, 9, 16)),
+         r"out.shape\[1\] must be 8"),
+        (lambda: _C.pack_linear_panels(torch.zeros(32, 8), torch.zeros(2, 8, 16).bfloat16()),
+         "out must have the dtype of weight"),
+        (lambda: _C.linear(torch.zeros(2, 9), torch.zeros(2, 8, 16), None, torch.zeros(2, 32)),
+         "x has 9 in_features, the packed weight 8"),
+        (lambda: _C.linear(torch.zeros(2, 8), torch.zeros(2, 8, 16), None, torch.zeros(2, 30)),
+         "out has 30 columns, the packed weight 32 out_features"),
+        (lambda: _C.linear(torch.zeros(2, 8), torch.zeros(2, 8, 15), None, torch.zeros(2, 30)),
+         r"weight.shape\[2\] must be 16"),
+        (lambda: _C.linear(torch.zeros(2, 8), torch.zeros(2, 16, 16)[:, :8], None,
+                           torch.zeros(2, 32)),
+         "weight must be contiguous"),
+    ],
+)  # fmt: skip
+def test_packed_linear_errors(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
 def int8_case(gen, rows, n, k, dtype, with_bias):
     w = torch.randn(n, k, generator=gen)
     w[0] = 0.0  # an all-zero row: its scale must not divide by zero

@@ -11,7 +11,7 @@ import torch
 
 import specinfer.engine.sequence
 from marks import CUDA
-from specinfer import Engine, SamplingParams, drafting
+from specinfer import Engine, SamplingParams, drafting, ops
 from specinfer.budget import TreeBudget
 from specinfer.speculator import Speculator
 from specinfer.tree import TreeConfig, merge_trees
@@ -85,6 +85,24 @@ def test_greedy_tree_equals_incremental_tiny(tiny_pair, tree, ssm_kind):
         assert single.token_ids == reference[2].token_ids
         if ssm_kind == "self":  # a perfect SSM: every step accepts a whole root-to-leaf path
             assert outs[0].metrics["tokens_per_step"] > 2.0
+
+
+def test_packed_projections_keep_speculation_exact(tiny_pair, monkeypatch):
+    """Where the CPU's fastest linear takes packed weights (AVX2 machines; forced here), the
+    engine packs every projection of the target and of its SSMs before the first forward, and
+    speculation stays token-identical to incremental decoding."""
+    monkeypatch.setattr(ops, "panels_preferred", lambda dtype: True)
+    target, other = tiny_pair
+    prompts = [PROMPT, [3], [5, 5, 1, 0, 2, 4, 4]]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    reference = Engine(target, dtype="bfloat16")
+    assert reference.model.model.layers[0].mlp.down_proj.weight.dim() == 3
+    expected = [o.token_ids for o in reference.generate(prompts, params)]
+    engine = Engine(target, dtype="bfloat16", ssm=[other, 1, "ngram"], tree="2,2,1",
+                    ssm_int8=False, adaptive_tree=False)  # fmt: skip
+    for ssm in engine.drafter.ssms[:2]:  # its own layers; the target's first one
+        assert ssm.model.model.layers[0].self_attn.qkv_proj.weight.dim() == 3
+    assert [o.token_ids for o in engine.generate(prompts, params)] == expected
 
 
 def test_a_long_prompt_admitted_beside_a_long_request(tiny_pair):

@@ -490,7 +490,7 @@ void linear_cpu(const TensorView& x, const TensorView& w, const TensorView* bias
                 const TensorView& out) {
   const std::string op = "linear";
   check_ndim(x, 2, op, "x", "[rows, in_features]");
-  check_ndim(w, 2, op, "weight", "[out_features, in_features]");
+  if (w.ndim != 3) check_ndim(w, 2, op, "weight", "[out_features, in_features] or packed");
   check_ndim(out, 2, op, "out", "[rows, out_features]");
   const TensorView* all[] = {&w, &out, bias};
   const char* names[] = {"weight", "out", "bias"};
@@ -501,6 +501,7 @@ void linear_cpu(const TensorView& x, const TensorView& w, const TensorView* bias
   }
   if (x.device != Device::kCPU) fail(op, "x must be on cpu");
   check_dtype_is(x, DType::kFloat32, DType::kBFloat16, op, "x");
+  if (w.ndim == 3) return linear_panels_cpu(x, w, bias, out);
   check_linear_sizes(op, x, w, bias, out);
 
   cpu::LinearProblem p;

@@ -14,9 +14,11 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from specinfer.default_model import DEFAULT_SSM_TREE, default_feature_path, default_ssm_path
+from specinfer.layers import pack_linears
 from specinfer.ngram import NgramConfig, NgramDrafter
 from specinfer.speculator import load_speculator, parse_layers
 from specinfer.suffix import SuffixConfig, SuffixDrafter
@@ -195,6 +197,8 @@ def build_drafter(specs, trees, target: nn.Module, target_path: Path, dtype, dev
         ssm.restrict_head(head_token_ids(spec, head, target.config.vocab_size))
         if int8 and not ssm.shares_target:
             ssm.quantize_int8()
+        if torch.device(device).type == "cpu" and not ssm.shares_target:  # else packed with it
+            pack_linears(ssm.model)
         ssms.append(ssm)
     return Drafter(ssms)
 

@@ -151,28 +151,62 @@ def _use_compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     ):
         return False
-    if x.dim() == 0 or weight.dim() != 2 or weight.stride(-1) != 1 or x.shape[-1] == 0:
+    if x.dim() == 0 or weight.dim() not in (2, 3) or weight.stride(-1) != 1 or x.shape[-1] == 0:
         return False
     return x.numel() > 0
 
 
+def panels_preferred(dtype: torch.dtype) -> bool:
+    """Whether this CPU's fastest linear for `dtype` takes weights packed in panels (the AVX2
+    kernel, csrc/cpu/linear_panels.cpp: ~15% faster at one row, ~20% at 9-16, weights from
+    DRAM)."""
+    name = str(dtype).removeprefix("torch.")
+    return compiled_linear_dtype(dtype) and _C.linear_panels_preferred(name)
+
+
+def pack_linear(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` [N, K] as [N / 16, K, 16] panels where `panels_preferred` (and N is a multiple
+    of 16); None where it is best left as it is. For inference only: `linear` takes the packed
+    weight in place of the weight, in compiled, gradient-free calls. The panel kernel sums in
+    another order than the unpacked one, so a model packs all of its projections or none
+    (`layers.pack_linears`), before its first forward."""
+    if not (
+        weight.dim() == 2
+        and weight.is_cpu
+        and weight.shape[0] % 16 == 0
+        and weight.shape[1] > 0
+        and panels_preferred(weight.dtype)
+    ):
+        return None
+    packed = torch.empty(weight.shape[0] // 16, weight.shape[1], 16, dtype=weight.dtype)
+    _C.pack_linear_panels(weight.detach(), packed)
+    return packed
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ weight.T + bias. The single place every model projection goes through, so a
-    faster kernel (e.g. a bandwidth-bound bf16 GEMV for decode) can be swapped in here."""
+    faster kernel (e.g. a bandwidth-bound bf16 GEMV for decode) can be swapped in here. `weight`
+    may be packed (`pack_linear`)."""
     if not _use_compiled_linear(x, weight, bias):
+        if weight.dim() == 3:
+            raise ValueError(
+                "linear: a packed weight (pack_linear) runs only in the compiled CPU kernel: "
+                f"x {x.dtype} on {x.device}, weight {weight.dtype}, no gradients"
+            )
         refuse_while_recording("linear")
         return torch.nn.functional.linear(x, weight, bias)
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    out = torch.empty(x2.shape[0], weight.shape[0], dtype=x.dtype)
+    out_features = weight.shape[0] * (16 if weight.dim() == 3 else 1)
+    out = torch.empty(x2.shape[0], out_features, dtype=x.dtype)
     # Any number of rows runs in blocks through the kernel, never torch: a row's result must not
     # depend on how many rows share the call (speculation and batching are bit-exact that way),
     # and torch's CPU bf16 matmul is several times slower anyway (no AVX512-BF16 here).
     step = FAST_LINEAR_MAX_ROWS[x.dtype]
     for i in range(0, x2.shape[0], step):
         _C.linear(x2[i : i + step], weight, bias, out[i : i + step])
-    return out.view(*x.shape[:-1], weight.shape[0])
+    return out.view(*x.shape[:-1], out_features)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

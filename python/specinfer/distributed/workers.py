@@ -197,7 +197,12 @@ def run_worker(rank: int, host: str, port: int, spec: ShardSpec) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     group = connect(rank, spec.tp, spec.pp, host, port, device, STEP_TIMEOUT)
-    runner = ModelRunner(build_shard(spec, group), device, parallel=group)
+    from specinfer.layers import pack_linears
+
+    model = build_shard(spec, group)
+    if device.type == "cpu":  # as rank 0's Engine packs its shard
+        pack_linears(model)
+    runner = ModelRunner(model, device, parallel=group)
     group.store.set(f"loaded/{rank}", "1")
     while True:
         op, args = group.recv()

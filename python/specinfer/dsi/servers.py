@@ -102,9 +102,11 @@ class _RealTarget:
     """The target and a one-row cache; preemptible between decoder layers."""
 
     def __init__(self, spec: ServerSpec):
+        from specinfer.layers import pack_linears
         from specinfer.loader import load_model
 
         self.model = load_model(spec.path, dtype=spec.dtype, device="cpu")
+        pack_linears(self.model)  # the kernels the engine's target runs, so the same bits
         self.kv = self.model.make_kv_cache(1, spec.capacity)
         self.cached: list[int] = []  # the tokens whose K/V the cache holds, in order
         self.stopped = lambda: False

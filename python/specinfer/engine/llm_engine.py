@@ -27,6 +27,7 @@ from specinfer.engine.scheduler import Scheduler
 from specinfer.engine.sequence import Completion, RequestOutput
 from specinfer.engine.sequence import Sequence as Seq
 from specinfer.engine.spec_step import sample, sample_all, speculative_step
+from specinfer.layers import pack_linears
 from specinfer.offload import check_mode, offload_model
 from specinfer.sampling import SamplingParams
 from specinfer.streaming import TextStream
@@ -150,6 +151,8 @@ class Engine:
             path, self.dtype, load_on, tensor_parallel, threads, pipeline_parallel
         )
         try:
+            if self.device.type == "cpu":  # before offloading: the layer file holds packed layers
+                pack_linears(self.model)
             if offload:
                 resident = max(resident_layers, selected_layers(ssm) if ssm is not None else 0)
                 offload_model(self.model, offload, self.device, path, offload_dir, resident)
