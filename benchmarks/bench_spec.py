@@ -12,8 +12,10 @@
 - Tree configs at batch 1 (--trees, optionally merged with --trees-ngram): tokens per step and
   per-token latency of each, to pick the best one for a given SSM.
 - Rows: one target forward (recorded graph, plus the LM head on every row, as verification
-  does) over a causal chain of T tree nodes at batch 1, T = 1..32, after a real prompt: what
-  each extra node costs, the number every tree size trades against its tokens per step.
+  does) over a causal chain of T tree nodes at batch 1, T = 1..64, after a real prompt: what
+  each extra node costs, the number every tree size trades against its tokens per step. Where
+  the engine packs its weights for this CPU's linear (ops.panels_preferred), the same with the
+  weights as loaded, in turn in one run.
 - N-gram drafters at batch 1 (--ngrams): incremental decoding and each n-gram spec alone, to
   choose the prompt-lookup default (it needs no SSM, so it is what `specinfer generate` runs).
 - Drafters at batch 1: the n-gram drafter alone, the SSM alone, and both merged into one tree:
@@ -54,13 +56,15 @@ import pydoc
 import re
 import time
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 from tqdm import tqdm
 
 from results_io import save
-from specinfer import Engine, SamplingParams
+from specinfer import Engine, SamplingParams, ops
 from specinfer.drafting import is_lookup_spec
 from specinfer.suffix import SuffixDrafter
 from specinfer.training.evaluate import target_tokens, topk_agreement
@@ -247,7 +251,7 @@ def main() -> None:
     if "drafters" in run:
         result["drafters_batch1"] = drafters(base, args, prompts)
     if "rows" in run:
-        result["target_forward_ms_by_rows"] = row_costs(base, prompts)
+        result.update(row_costs(base, prompts))
     if "ngrams" in run:
         result["ngrams_batch1"] = ngrams(base, args.ngrams, prompts, args.tokens)
     if "acceptance" in run:
@@ -322,30 +326,52 @@ def drafters(base: dict, args, prompts: list) -> dict:
     return result
 
 
+def _forward(model, runner, args):
+    return model.compute_logits(runner(*args))
+
+
 @torch.inference_mode()
-def row_costs(base: dict, prompts: list, reps: int = 10) -> dict:
-    engine = Engine(**{**base, "ssm": None})
-    model, runner = engine.model, engine.run_model
-    prompt = torch.tensor([engine.prompt_ids(prompts[0])])
-    P = prompt.shape[1]
-    kv = model.make_kv_cache(1, P + 64)
-    one = torch.zeros(1, dtype=torch.long)
-    causal = torch.ones(P, P, dtype=torch.bool).tril()[None]
-    runner(prompt, torch.arange(P)[None], kv, one, one, causal)
-    result = {}
-    for T in (1, 2, 3, 4, 6, 9, 13, 21, 32, 48, 64):  # 48-64: a short prompt's prefill
-        if T > P:  # the rows are the prompt's last T tokens
-            break
-        ids, mask = prompt[:, -T:], torch.ones(T, T, dtype=torch.bool).tril()[None]
-        args = (ids, P + torch.arange(T)[None], kv, one, one + P, mask)
-        for _ in range(3):  # eager, recorded, replayed
-            model.compute_logits(runner(*args))
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            model.compute_logits(runner(*args))
-        result[T] = 1000 * (time.perf_counter() - t0) / reps
-        print(f"target forward, {T} rows: {result[T]:.1f} ms")
-    runner.release()
+def row_costs(base: dict, prompts: list, rounds: int = 5, reps: int = 2) -> dict:
+    """ms of a target forward (recorded graph, LM head included) by row count; where this CPU's
+    linear takes packed weights (ops.panels_preferred), also with the weights as loaded (the
+    dot-product kernel), the two engines timed in turn in one process (min of the rounds)."""
+    engines = {"target_forward_ms_by_rows": Engine(**{**base, "ssm": None})}
+    if ops.panels_preferred(engines["target_forward_ms_by_rows"].dtype):
+        # The same engine but for the layout: packing refused while it loads.
+        with patch.object(ops, "panels_preferred", lambda dtype: False):
+            engines["target_forward_ms_by_rows_as_loaded"] = Engine(**{**base, "ssm": None})
+    forwards = {}  # (key, T): the forward's thunk
+    for key, engine in engines.items():
+        model, runner = engine.model, engine.run_model
+        prompt = torch.tensor([engine.prompt_ids(prompts[0])])
+        P = prompt.shape[1]
+        kv = model.make_kv_cache(1, P + 64)
+        one = torch.zeros(1, dtype=torch.long)
+        causal = torch.ones(P, P, dtype=torch.bool).tril()[None]
+        runner(prompt, torch.arange(P)[None], kv, one, one, causal)
+        for T in (1, 2, 3, 4, 6, 9, 13, 21, 32, 48, 64):  # 48-64: a short prompt's prefill
+            if T > P:  # the rows are the prompt's last T tokens
+                break
+            ids, mask = prompt[:, -T:], torch.ones(T, T, dtype=torch.bool).tril()[None]
+            args = (ids, P + torch.arange(T)[None], kv, one, one + P, mask)
+            forward = partial(_forward, model, runner, args)
+            for _ in range(3):  # eager, recorded, replayed
+                forward()
+            forwards[key, T] = forward
+    result = {key: {} for key in engines}
+    for _ in range(rounds):
+        for (key, T), forward in forwards.items():
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                forward()
+            ms = 1000 * (time.perf_counter() - t0) / reps
+            result[key][T] = min(result[key].get(T, ms), ms)
+    for T, ms in result["target_forward_ms_by_rows"].items():
+        loaded = result.get("target_forward_ms_by_rows_as_loaded", {}).get(T)
+        print(f"target forward, {T} rows: {ms:.1f} ms"
+              + (f" (weights as loaded: {loaded:.1f})" if loaded else ""))  # fmt: skip
+    for engine in engines.values():
+        engine.run_model.release()
     return result
 
 
@@ -566,7 +592,12 @@ def _bars(ax, rows: dict, title: str) -> None:
 
 
 def _plot_rows(ax, rows: dict, result: dict) -> None:
-    ax.plot([int(t) for t in rows], list(rows.values()), marker="o")
+    loaded = result.get("target_forward_ms_by_rows_as_loaded")
+    ax.plot([int(t) for t in rows], list(rows.values()), marker="o",
+            label="engine (packed weights)" if loaded else None)  # fmt: skip
+    if loaded:
+        ax.plot([int(t) for t in loaded], list(loaded.values()), marker="o",
+                label="weights as loaded")  # fmt: skip
     ax.set(title="target forward + LM head, batch 1", xlabel="tree nodes (rows)",
            ylabel="ms", ylim=(0, None))  # fmt: skip
 

@@ -339,6 +339,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("pack_linear_panels", &pack_linear_panels, py::arg("weight"), py::arg("out"),
         "out[n // 16, k, slot(n % 16)] = weight[n, k]: the layout linear takes as a 3-d weight "
         "(out [out_features / 16, in_features, 16], same dtype).");
+  m.def("linear_panel_slots", &linear_panel_slots, py::arg("dtype"),
+        "Where each of a panel's 16 output features sits among its 16 values at a column.");
   m.def("linear_panels_preferred", &linear_panels_preferred, py::arg("dtype"),
         "Whether packed weights run this CPU's fastest linear for dtype ('float32' or "
         "'bfloat16').");

@@ -22,6 +22,8 @@ void linear_panels_cpu(const TensorView& x, const TensorView& weight, const Tens
 void pack_linear_panels_cpu(const TensorView& weight, const TensorView& out);
 // Whether the panel kernel is this CPU's fastest linear for `dtype` ("float32" or "bfloat16").
 bool linear_panels_preferred(const std::string& dtype);
+// Where output feature n % 16 sits among a panel's 16 values, per column, for `dtype`.
+std::vector<int> linear_panel_slots(const std::string& dtype);
 
 // The size and layout checks both linears share (after their ndim, device and dtype checks).
 void check_linear_sizes(const std::string& op, const TensorView& x, const TensorView& weight,

@@ -674,6 +674,14 @@ def test_pack_linear_only_where_the_panel_kernel_is_preferred(monkeypatch):
     assert ops.pack_linear(w) is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_rows_of_a_packed_weight_are_its_rows(dtype):
+    w = torch.randn(48, 24).to(dtype)
+    ids = torch.tensor([[0, 5, 17], [47, 31, 16]])
+    assert torch.equal(ops.weight_rows(packed(w), ids), w[ids])
+    assert torch.equal(ops.weight_rows(w, ids), w[ids])
+
+
 def test_ops_linear_takes_a_packed_weight():
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(48, 40, generator=gen).bfloat16()

@@ -22,7 +22,7 @@ PROMPT = [1, 4, 2]
 
 
 def _tiny_llama(path, seed: int, layers: int = 2, vocab: int = VOCAB, heads: int = 4,
-                kv_heads: int = 2, hidden: int = 32):  # fmt: skip
+                kv_heads: int = 2, hidden: int = 32, tied: bool = False):  # fmt: skip
     """A random small-vocabulary Llama saved as an HF directory, with a word-level tokenizer."""
     transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -31,7 +31,7 @@ def _tiny_llama(path, seed: int, layers: int = 2, vocab: int = VOCAB, heads: int
     cfg = transformers.LlamaConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        max_position_embeddings=128, initializer_range=0.4, tie_word_embeddings=False,
+        max_position_embeddings=128, initializer_range=0.4, tie_word_embeddings=tied,
         bos_token_id=None, eos_token_id=None,
     )  # fmt: skip
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
@@ -102,6 +102,25 @@ def test_packed_projections_keep_speculation_exact(tiny_pair, monkeypatch):
                     ssm_int8=False, adaptive_tree=False)  # fmt: skip
     for ssm in engine.drafter.ssms[:2]:  # its own layers; the target's first one
         assert ssm.model.model.layers[0].self_attn.qkv_proj.weight.dim() == 3
+    assert [o.token_ids for o in engine.generate(prompts, params)] == expected
+
+
+def test_a_packed_lm_head_is_also_the_tied_embedding(tmp_path, monkeypatch):
+    """A vocabulary of 16: the LM head packs too, and the embedding tied to it reads the packed
+    table; so does a layer-selected SSM's restricted head (its first 8 tokens)."""
+    monkeypatch.setattr(ops, "panels_preferred", lambda dtype: True)
+    target = _tiny_llama(tmp_path / "tied", seed=2, layers=3, vocab=16, tied=True)
+    prompts = [PROMPT, [3, 9, 15], [5, 5, 1, 0, 2, 4, 4]]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    reference = Engine(target, dtype="bfloat16")
+    model = reference.model
+    assert (
+        model.lm_head.weight.dim() == 3 and model.lm_head.weight is model.model.embed_tokens.weight
+    )
+    expected = [o.token_ids for o in reference.generate(prompts, params)]
+    engine = Engine(target, dtype="bfloat16", ssm=[1, "ngram"], tree="2,2,1", ssm_head=8,
+                    adaptive_tree=False)  # fmt: skip
+    assert engine.drafter.ssms[0].head_weight.shape == (8, 32)
     assert [o.token_ids for o in engine.generate(prompts, params)] == expected
 
 

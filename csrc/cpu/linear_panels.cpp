@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <vector>
 
 #include "cpu/cpu_features.h"
 #include "cpu/linear.h"
@@ -200,6 +201,14 @@ void check_packed(const TensorView& v, const std::string& op, const char* name) 
 }  // namespace
 
 }  // namespace cpu
+
+std::vector<int> linear_panel_slots(const std::string& dtype) {
+  std::vector<int> slots(cpu::kPanel);
+  for (int c = 0; c < cpu::kPanel; ++c) {
+    slots[c] = dtype == "float32" ? cpu::slot_of<float>(c) : cpu::slot_of<bf16>(c);
+  }
+  return slots;
+}
 
 bool linear_panels_preferred(const std::string& dtype) {
   if (dtype == "bfloat16") return cpu::has_avx2_fma() && !cpu::has_avx512_bf16();

@@ -209,16 +209,24 @@ class VocabParallelEmbedding(nn.Module):
         param.data.copy_(full[self.start : self.start + self.shard])
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # The table may be a packed LM head's weight (tied embeddings): ops.weight_rows reads both.
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return ops.weight_rows(self.weight, ids)
         local = ids - self.start
         mine = (local >= 0) & (local < self.shard)
-        out = F.embedding(local.clamp(0, self.shard - 1), self.weight) * mine.unsqueeze(-1)
+        out = ops.weight_rows(self.weight, local.clamp(0, self.shard - 1)) * mine.unsqueeze(-1)
         return self.tp.all_reduce(out)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits for this rank's vocabulary range, gathered into full float32 logits."""
+
+    def pack(self) -> None:
+        """As Projection.pack; a tied embedding reads the packed table (ops.weight_rows)."""
+        if self.weight.dim() == 2:
+            packed = ops.pack_linear(self.weight)
+            if packed is not None:
+                self.weight.data = packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = ops.linear(x, self.weight).float()
@@ -227,11 +235,12 @@ class ParallelLMHead(VocabParallelEmbedding):
         return torch.cat(self.tp.all_gather(logits), dim=-1)
 
 
-def pack_linears(model: nn.Module) -> None:
+def pack_linears(model: nn.Module, head: bool = True) -> None:
     """Every projection of `model` packed for this CPU's fastest linear (Projection.pack): all of
-    them or, where no kernel takes packed weights, none. Shared layers are packed once."""
+    them or, where no kernel takes packed weights, none. Shared layers are packed once. `head`:
+    the LM head too (not on the ranks of a distributed model: its head shards travel whole)."""
     for module in model.modules():
-        if isinstance(module, Projection):
+        if isinstance(module, Projection) or (head and isinstance(module, ParallelLMHead)):
             module.pack()
 
 

@@ -183,6 +183,26 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
+def weight_rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a weight [N, K], packed (`pack_linear`) or not: [*ids.shape, K]. An
+    embedding lookup, also where the table is a packed LM head's weight."""
+    if weight.dim() == 2:
+        return torch.nn.functional.embedding(ids, weight)
+    slots = _panel_slots(weight.dtype, weight.device)
+    return weight[ids // 16, :, slots[ids % 16]]
+
+
+_SLOTS: dict = {}
+
+
+def _panel_slots(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    key = (dtype, device)
+    if key not in _SLOTS:
+        name = str(dtype).removeprefix("torch.")
+        _SLOTS[key] = torch.tensor(_C.linear_panel_slots(name), device=device)
+    return _SLOTS[key]
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ weight.T + bias. The single place every model projection goes through, so a
     faster kernel (e.g. a bandwidth-bound bf16 GEMV for decode) can be swapped in here. `weight`

@@ -85,7 +85,7 @@ class Speculator:
         else:
             weight = self.model.lm_head.weight
             self.head_ids = torch.tensor(token_ids, device=weight.device)
-            self.head_weight = weight.detach()[self.head_ids].contiguous()
+            self.head_weight = ops.weight_rows(weight.detach(), self.head_ids).contiguous()
         self._quantize_head()
 
     def quantize_int8(self) -> None:

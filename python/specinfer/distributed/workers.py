@@ -201,7 +201,7 @@ def run_worker(rank: int, host: str, port: int, spec: ShardSpec) -> None:
 
     model = build_shard(spec, group)
     if device.type == "cpu":  # as rank 0's Engine packs its shard
-        pack_linears(model)
+        pack_linears(model, head=False)
     runner = ModelRunner(model, device, parallel=group)
     group.store.set(f"loaded/{rank}", "1")
     while True:

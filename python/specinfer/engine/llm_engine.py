@@ -152,7 +152,7 @@ class Engine:
         )
         try:
             if self.device.type == "cpu":  # before offloading: the layer file holds packed layers
-                pack_linears(self.model)
+                pack_linears(self.model, head=self.workers is None)
             if offload:
                 resident = max(resident_layers, selected_layers(ssm) if ssm is not None else 0)
                 offload_model(self.model, offload, self.device, path, offload_dir, resident)
