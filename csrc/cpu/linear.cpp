@@ -184,6 +184,8 @@ struct TileF32Avx512 {
 };
 
 // --- AVX2 + FMA ---
+// The engine packs its weights for the faster panel kernel on these CPUs (linear_panels.cpp);
+// this one serves the weights left as loaded (out_features not a multiple of 16, other callers).
 // x is first converted to float32 rows padded with zeros to a multiple of 16 columns (it is small
 // and read many times); the weight is converted to float32 as it streams by.
 //
