@@ -93,10 +93,8 @@ class Projection(nn.Module):
     def pack(self) -> None:
         """The weight in the layout of this CPU's fastest linear kernel, in place of its rows
         (ops.pack_linear), where there is one: for inference, once loaded (and quantized)."""
-        if self.codes is None and self.weight.dim() == 2:
-            packed = ops.pack_linear(self.weight)
-            if packed is not None:
-                self.weight.data = packed
+        if self.codes is None:
+            _pack_weight(self.weight)
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.codes is None:
@@ -223,16 +221,20 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def pack(self) -> None:
         """As Projection.pack; a tied embedding reads the packed table (ops.weight_rows)."""
-        if self.weight.dim() == 2:
-            packed = ops.pack_linear(self.weight)
-            if packed is not None:
-                self.weight.data = packed
+        _pack_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = ops.linear(x, self.weight).float()
         if self.tp.size == 1:
             return logits
         return torch.cat(self.tp.all_gather(logits), dim=-1)
+
+
+def _pack_weight(weight: nn.Parameter) -> None:
+    if weight.dim() == 2:  # else packed already (a layer or head shared with another model)
+        packed = ops.pack_linear(weight)
+        if packed is not None:
+            weight.data = packed
 
 
 def pack_linears(model: nn.Module, head: bool = True) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from specinfer import ops
 from specinfer.training.boosting import agreement, boost, independent
 from specinfer.training.data import load_prompts, prompt_ids
 from specinfer.training.distill import TrainSettings
@@ -94,8 +95,10 @@ def train_ssm(
                               temperature, top_k_logits, chat,
                               features=kind == "feature",
                               feature_layers=list(tapped))  # fmt: skip
-    # Soft targets and the student's starting weights come from float32.
-    target = engine.model if engine.dtype == torch.float32 else load_model(path, torch.float32)
+    # Soft targets and the student's starting weights come from float32, with the weights as
+    # loaded (a student copies some; the engine's may be packed for its CPU kernel).
+    reuse = engine.dtype == torch.float32 and not ops.panels_preferred(torch.float32)
+    target = engine.model if reuse else load_model(path, torch.float32)
     if tapped:
         target.tap(tapped)  # the scorer hands their inputs over with its features
     examples = make_teacher_data(
