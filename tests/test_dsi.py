@@ -68,8 +68,13 @@ def test_dsi_greedy_equals_incremental(tiny_pair, reference, servers, lookahead)
         assert engine.dsi.lookahead == (lookahead or 1)
     assert _ids(outs) == reference
     m = [o.metrics["dsi"] for o in outs]
-    if lookahead is None:  # drafting was expected not to pay here: the servers decode alone
-        assert all(x["drafted"] == 0 and x["blocks_verified"] >= 1 for x in m)
+    if lookahead is None:  # drafting was not expected to pay by the end: the servers decode alone
+        # The choice is made again as drafting requests finish (their acceptance), so the first
+        # requests may have drafted before it turned drafting off; once off, it stays off (the
+        # next probe would be request PROBE_EVERY).
+        drafted = [x["drafted"] > 0 for x in m]
+        assert drafted == sorted(drafted, reverse=True), drafted
+        assert all(x["blocks_verified"] >= 1 for x in m)
         return
     # Whether a draft is verified here depends on timing: the tiny target can answer before the
     # drafter (a thread beside the orchestrator) has drafted, and DSI never waits for it. The
