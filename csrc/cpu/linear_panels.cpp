@@ -5,7 +5,8 @@
 // column k, every x row's value (one broadcast) meets the panel's 16 weights (one 32-byte load of
 // bf16), an FMA per 8 outputs. Against the dot products of linear.cpp ([N, K] rows: an x vector
 // loaded per FMA) that is ~a tenth of the loads, and the weight is still one sequential stream.
-// Measured (bf16, 2 threads, weights from DRAM, Zen 3): 3072 x 576 at 1 / 4 / 9 / 16 rows
+// Measured (a standalone copy of both loops, bf16, 2 threads, 30 copies of each weight from DRAM,
+// Zen 3): 3072 x 576 at 1 / 4 / 9 / 16 rows
 // 193 / 158 / 268 / 593 us -> 129 / 146 / 214 / 347; 576 x 1536 77 / 108 / 266 / 429 -> 67 / 90 /
 // 177 / 280.
 //
@@ -83,9 +84,10 @@ SPECINFER_TARGET(SPECINFER_AVX2) inline void load_panel(const float* w, __m256& 
   b = _mm256_loadu_ps(w + 8);
 }
 
-// MB x rows from m0 against NP panels from `panel`: 2 x MB x NP accumulators (at most 12, so
-// with the weights and a broadcast they fit the 16 registers; at least 8 chains hide the FMA
-// latency). The first row tile of a panel prefetches its stream 1 KB ahead into L1.
+// MB x rows from m0 against NP panels from `panel`: 2 x MB x NP accumulators (at most 12 of the
+// 16 registers, the rest for weights and broadcasts; at least 8 chains hide the FMA latency).
+// The first row tile of a panel prefetches its stream 1 KB ahead into L1 (prefetching 2-4 KB
+// ahead into L2 instead measured within noise, better at some row counts, worse at others).
 template <typename T, int MB, int NP>
 SPECINFER_TARGET(SPECINFER_AVX2)
 void tile_avx2(const PanelProblem& p, int64_t m0, int64_t panel, bool prefetch) {
