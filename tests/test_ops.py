@@ -443,17 +443,22 @@ def test_tree_attention_cuda_errors():
 )
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_matches_torch(dtype, rows, n, k, with_bias):
+    assert_linear_matches_torch(dtype, rows, n, k, with_bias, lambda w: w)
+
+
+def assert_linear_matches_torch(dtype, rows, n, k, with_bias, layout) -> None:
+    """_C.linear with the weight as `layout` gives it against float64 torch."""
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
     x = torch.randn(rows, k, generator=gen).to(dtype)
     w = (torch.randn(n, k, generator=gen) / math.sqrt(k)).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
     out = torch.empty(rows, n, dtype=dtype)
-    _C.linear(x, w, bias, out)
+    _C.linear(x, layout(w), bias, out)
     expected = torch.nn.functional.linear(
-        x.float(), w.float(), None if bias is None else bias.float()
+        x.double(), w.double(), None if bias is None else bias.double()
     )
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(out.float(), expected, **tol)
+    torch.testing.assert_close(out.double(), expected, **tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -462,10 +467,17 @@ def test_linear_matches_torch(dtype, rows, n, k, with_bias):
 def test_linear_row_does_not_depend_on_the_other_rows(dtype, n, k):
     """Each output row is summed in the same order whatever the row count, so a tree's (or a
     batch's) rows equal, bit for bit, the rows computed one at a time."""
+    assert_rows_independent(
+        dtype, n, k, lambda w: w, (2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 33, 64)
+    )
+
+
+def assert_rows_independent(dtype, n, k, layout, row_counts) -> None:
+    """Each row of an _C.linear call over `row_counts` rows equals, bit for bit, that row alone."""
     gen = torch.Generator().manual_seed(n)
-    w = torch.randn(n, k, generator=gen).to(dtype)
+    w = layout(torch.randn(n, k, generator=gen).to(dtype))
     bias = torch.randn(n, generator=gen).to(dtype)
-    for rows in (2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 33, 64):
+    for rows in row_counts:
         x = torch.randn(rows, k, generator=gen).to(dtype)
         out = torch.empty(rows, n, dtype=dtype)
         _C.linear(x, w, bias, out)
@@ -598,34 +610,14 @@ def packed(w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("n,k", [(16, 1), (576, 576), (48, 1536), (80, 33), (1152, 64)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_linear_matches_torch(dtype, rows, n, k, with_bias):
-    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
-    x = torch.randn(rows, k, generator=gen).to(dtype)
-    w = (torch.randn(n, k, generator=gen) / math.sqrt(k)).to(dtype)
-    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
-    out = torch.empty(rows, n, dtype=dtype)
-    _C.linear(x, packed(w), bias, out)
-    expected = torch.nn.functional.linear(
-        x.double(), w.double(), None if bias is None else bias.double()
-    )
-    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(out.double(), expected, **tol)
+    assert_linear_matches_torch(dtype, rows, n, k, with_bias, packed)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,k", [(96, 576), (208, 77), (48, 1536), (16, 5), (80, 40)])
 def test_packed_linear_row_does_not_depend_on_the_other_rows(dtype, n, k):
     """Every output of the panel kernel is one FMA chain along K, whichever tile computes it."""
-    gen = torch.Generator().manual_seed(n)
-    w = packed(torch.randn(n, k, generator=gen).to(dtype))
-    bias = torch.randn(n, generator=gen).to(dtype)
-    for rows in (2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 33):
-        x = torch.randn(rows, k, generator=gen).to(dtype)
-        out = torch.empty(rows, n, dtype=dtype)
-        _C.linear(x, w, bias, out)
-        for i in range(rows):
-            one = torch.empty(1, n, dtype=dtype)
-            _C.linear(x[i : i + 1], w, bias, one)
-            assert torch.equal(one[0], out[i]), f"{rows} rows, row {i}"
+    assert_rows_independent(dtype, n, k, packed, (2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 33))
 
 
 PACKED_PROBE = """

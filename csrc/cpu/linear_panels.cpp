@@ -5,10 +5,9 @@
 // column k, every x row's value (one broadcast) meets the panel's 16 weights (one 32-byte load of
 // bf16), an FMA per 8 outputs. Against the dot products of linear.cpp ([N, K] rows: an x vector
 // loaded per FMA) that is ~a tenth of the loads, and the weight is still one sequential stream.
-// Measured (a standalone copy of both loops, bf16, 2 threads, 30 copies of each weight from DRAM,
-// Zen 3): 3072 x 576 at 1 / 4 / 9 / 16 rows
-// 193 / 158 / 268 / 593 us -> 129 / 146 / 214 / 347; 576 x 1536 77 / 108 / 266 / 429 -> 67 / 90 /
-// 177 / 280.
+// Measured (`bench_spec.py --sections rows`, SmolLM2-135M's forward with its LM head, bf16, 2
+// threads, Zen 3): 1 / 4 / 9 / 64 rows 11.0 / 14.1 / 28.2 / 168.3 ms as loaded, 8.7 / 11.6 / 23.7
+// / 138.2 packed.
 //
 // Summation order: every output is one fp32 FMA chain over k = 0, 1, ..., K - 1, then + bias,
 // whatever M is and whichever tile computes it (a row's result does not depend on the rows beside
@@ -86,8 +85,8 @@ SPECINFER_TARGET(SPECINFER_AVX2) inline void load_panel(const float* w, __m256& 
 
 // MB x rows from m0 against NP panels from `panel`: 2 x MB x NP accumulators (at most 12 of the
 // 16 registers, the rest for weights and broadcasts; at least 8 chains hide the FMA latency).
-// The first row tile of a panel prefetches its stream 1 KB ahead into L1 (prefetching 2-4 KB
-// ahead into L2 instead measured within noise, better at some row counts, worse at others).
+// The first row tile of a panel prefetches its stream 1 KB ahead into L1 (2-4 KB ahead into L2
+// was tried: no steady gain).
 template <typename T, int MB, int NP>
 SPECINFER_TARGET(SPECINFER_AVX2)
 void tile_avx2(const PanelProblem& p, int64_t m0, int64_t panel, bool prefetch) {

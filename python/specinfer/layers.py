@@ -238,8 +238,8 @@ def _pack_weight(weight: nn.Parameter) -> None:
 
 
 def pack_linears(model: nn.Module, head: bool = True) -> None:
-    """Every projection of `model` packed for this CPU's fastest linear (Projection.pack): all of
-    them or, where no kernel takes packed weights, none. Shared layers are packed once. `head`:
+    """Every projection of `model` packed for this CPU's fastest linear (Projection.pack), where
+    that kernel takes packed weights. Shared layers are packed once. `head`:
     the LM head too (not on the ranks of a distributed model: its head shards travel whole)."""
     for module in model.modules():
         if isinstance(module, Projection) or (head and isinstance(module, ParallelLMHead)):

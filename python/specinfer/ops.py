@@ -129,7 +129,7 @@ def tree_attention(
 # SPECINFER_FAST_LINEAR_FP32=1): its different summation order moves SmolLM2 logits by ~1e-4,
 # just over the 1e-4 tolerance the model tests hold against transformers.
 # On AVX2 CPUs (no AVX-512) the engine packs its weights for an outer-product kernel instead
-# (pack_linear): ~20% faster again, at 1 row and more.
+# (pack_linear); benchmarks/results/README.md has both layouts by row count.
 FAST_LINEAR_FP32 = os.environ.get("SPECINFER_FAST_LINEAR_FP32", "0") == "1"
 FAST_LINEAR_MAX_ROWS = {torch.bfloat16: 64, torch.float32: 32}  # rows per kernel call
 
@@ -160,8 +160,7 @@ def _use_compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 def panels_preferred(dtype: torch.dtype) -> bool:
     """Whether this CPU's fastest linear for `dtype` takes weights packed in panels (the AVX2
-    kernel, csrc/cpu/linear_panels.cpp: ~15% faster at one row, ~20% at 9-16, weights from
-    DRAM)."""
+    kernel, csrc/cpu/linear_panels.cpp; `bench_spec.py --sections rows` times both layouts)."""
     name = str(dtype).removeprefix("torch.")
     return compiled_linear_dtype(dtype) and _C.linear_panels_preferred(name)
 
@@ -170,8 +169,8 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor | None:
     """`weight` [N, K] as [N / 16, K, 16] panels where `panels_preferred` (and N is a multiple
     of 16); None where it is best left as it is. For inference only: `linear` takes the packed
     weight in place of the weight, in compiled, gradient-free calls. The panel kernel sums in
-    another order than the unpacked one, so a model packs all of its projections or none
-    (`layers.pack_linears`), before its first forward."""
+    another order than the unpacked one, so a model packs (`layers.pack_linears`) before its
+    first forward: each weight is then always summed the same way."""
     if not (
         weight.dim() == 2
         and weight.is_cpu
