@@ -42,6 +42,9 @@
   weights as loaded instead of 8-bit copies (the engine's ssm_int8, default on the CPU), e.g.
   "fp:feature+ngram" next to "feature+ngram". The other sections verify whole trees: they
   measure the shapes they are given.
+- Exact (--paired configurations): greedy output of each speculative configuration against
+  incremental decoding, prompt by prompt: how many prompts give the same --tokens tokens, and
+  where the first that does not diverges.
 The prompts are real text nobody here wrote (openings of standard-library docstrings) unless
 --prompts-file gives others; --chat sends each as a user message through the chat template, as
 `specinfer generate` does. Writes JSON and PNG plots next to --out.
@@ -77,7 +80,7 @@ STDLIB = ["json", "os.path", "collections", "itertools", "re", "argparse", "csv"
 
 
 SECTIONS = ("table1", "table2", "table3", "latency", "trees", "drafters", "ngrams", "rows",
-            "paired", "fresh", "acceptance")  # fmt: skip
+            "paired", "fresh", "acceptance", "exact")  # fmt: skip
 
 
 def parse_sampling(text: str) -> dict:
@@ -261,6 +264,8 @@ def main() -> None:
             result[f"paired_batch{batch}"] = paired(base, args, prompts, batch)
     if "fresh" in run:
         result["fresh_engines"] = fresh(base, args, prompts)
+    if "exact" in run:
+        result["exact_greedy"] = exact(base, args, prompts)
     save(result, args.out, plot)
 
 
@@ -501,6 +506,30 @@ def acceptance(base: dict, specs: list[str], prompts: list, tokens: int, depth: 
     return result
 
 
+def exact(base: dict, args, prompts: list) -> dict:
+    """Per speculative --paired configuration: prompts whose greedy output equals incremental
+    decoding's, token for token, and the first divergence (prompt, token index)."""
+    params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
+    engine = _engine(base, "incremental", args.ssm)
+    reference = [engine.generate([p], params)[0].token_ids for p in tqdm(prompts, "incremental")]
+    result = {}
+    for name in (n for n in args.paired if n != "incremental"):
+        engine = _engine(base, name, args.ssm)
+        equal, first = 0, None
+        for i, prompt in enumerate(tqdm(prompts, name)):
+            out = engine.generate([prompt], params)[0].token_ids
+            if out == reference[i]:
+                equal += 1
+            elif first is None:
+                pairs = zip(out, reference[i])
+                token = next((j for j, (a, b) in enumerate(pairs) if a != b), len(out))
+                first = {"prompt": i, "token": token}
+        result[name] = {"equal": equal, "prompts": len(prompts), "first_mismatch": first}
+        print(f"exact {name}: {equal}/{len(prompts)} prompts equal incremental decoding"
+              + (f", first divergence {first}" if first else ""))  # fmt: skip
+    return result
+
+
 def _drafter(part: str, ssm: str) -> tuple[str, str | None]:
     """(SSM spec, tree) of one '+'-joined part of a paired configuration: an n-gram or suffix spec, a
     tree for --ssm ("1,1"), or an SSM spec with an optional tree ("feature:PATH@1,1"; without
@@ -519,7 +548,7 @@ def plot(result: dict, plt):
               ("trees_batch1", _plot_trees), ("ngrams_batch1", _plot_ngrams),
               ("drafters_batch1", _plot_breakdown), ("target_forward_ms_by_rows", _plot_rows),
               *((k, _plot_paired) for k in result if k.startswith("paired_batch")),
-              ("fresh_engines", _plot_fresh))
+              ("fresh_engines", _plot_fresh), ("exact_greedy", _plot_exact))
               if key in result]  # fmt: skip
     # Bar panels widen with their bars, so labels of many configurations do not overlap.
     widths = [max(5.0, 0.8 * len(result[key])) for key, _ in panels] or [5.0]
@@ -573,6 +602,23 @@ def _plot_fresh(ax, rows: dict, result: dict) -> None:
     _bars(ax, rows, f"fresh engines, {result.get('fresh_prompts', '')} prompts each (prefill in)")
 
 
+def _labels(names: list[str]) -> list[str]:
+    """Configuration names for an axis. A corpus path says little there: its file's stem, on a
+    line of its own; a drafter, then an option, a line."""
+    labels = [re.sub(r"corpus=(?:[^,+]*/)?([^,+/]*?)(?:\.jsonl)?(?=[,+]|$)", "corpus=\n\\1", t)
+              for t in names]  # fmt: skip
+    return [re.sub(r"([+:,])", "\\1\n", t) for t in labels]
+
+
+def _plot_exact(ax, rows: dict, result: dict) -> None:
+    names = list(rows)
+    ax.bar(range(len(names)), [rows[n]["equal"] for n in names])
+    ax.axhline(rows[names[0]]["prompts"], linestyle="--", color="gray", label="prompts run")
+    ax.set_xticks(range(len(names)), _labels(names), fontsize=8)
+    ax.set(title="greedy output equal to incremental decoding", ylabel="prompts")
+    ax.legend(fontsize=8)
+
+
 def _bars(ax, rows: dict, title: str) -> None:
     """ms per token of each row, annotated with its tokens per step."""
     names = list(rows)
@@ -580,12 +626,7 @@ def _bars(ax, rows: dict, title: str) -> None:
     for i, t in enumerate(names):
         ax.annotate(f"{rows[t]['tokens_per_step']:.2f} tok/step", (i, rows[t]["ms_per_token"]),
                     ha="center", va="bottom", fontsize=8)  # fmt: skip
-    # A corpus path says little on an axis: its file's stem, on a line of its own; a drafter, then
-    # an option, a line.
-    labels = [re.sub(r"corpus=(?:[^,+]*/)?([^,+/]*?)(?:\.jsonl)?(?=[,+]|$)", "corpus=\n\\1", t)
-              for t in names]  # fmt: skip
-    labels = [re.sub(r"([+:,])", "\\1\n", t) for t in labels]
-    ax.set_xticks(range(len(names)), labels, fontsize=8)
+    ax.set_xticks(range(len(names)), _labels(names), fontsize=8)
     # Headroom above the tallest bar for its label and a legend.
     top = max(rows[t]["ms_per_token"] for t in names)
     ax.set(title=title, ylabel="ms per token", ylim=(0, 1.3 * top))
