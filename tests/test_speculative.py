@@ -106,10 +106,11 @@ def test_packed_projections_keep_speculation_exact(tiny_pair, monkeypatch):
 
 
 def test_a_packed_lm_head_is_also_the_tied_embedding(tmp_path, monkeypatch):
-    """A vocabulary of 16: the LM head packs too, and the embedding tied to it reads the packed
-    table; so does a layer-selected SSM's restricted head (its first 8 tokens)."""
+    """A vocabulary of 32: the LM head packs too, and the embedding tied to it reads the packed
+    table; so does a layer-selected SSM's restricted head (its first 16 tokens), which it then
+    drafts through as panels of its own."""
     monkeypatch.setattr(ops, "panels_preferred", lambda dtype: True)
-    target = _tiny_llama(tmp_path / "tied", seed=2, layers=3, vocab=16, tied=True)
+    target = _tiny_llama(tmp_path / "tied", seed=2, layers=3, vocab=32, tied=True)
     prompts = [PROMPT, [3, 9, 15], [5, 5, 1, 0, 2, 4, 4]]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     reference = Engine(target, dtype="bfloat16")
@@ -118,9 +119,17 @@ def test_a_packed_lm_head_is_also_the_tied_embedding(tmp_path, monkeypatch):
         model.lm_head.weight.dim() == 3 and model.lm_head.weight is model.model.embed_tokens.weight
     )
     expected = [o.token_ids for o in reference.generate(prompts, params)]
-    engine = Engine(target, dtype="bfloat16", ssm=[1, "ngram"], tree="2,2,1", ssm_head=8,
+    engine = Engine(target, dtype="bfloat16", ssm=[1, "ngram"], tree="2,2,1", ssm_head=16,
                     adaptive_tree=False)  # fmt: skip
-    assert engine.drafter.ssms[0].head_weight.shape == (8, 32)
+    ssm = engine.drafter.ssms[0]
+    assert ssm.head_weight.shape == (16, 32) and ssm.head_packed.shape == (1, 32, 16)
+    weights, linear = [], ops.linear
+    monkeypatch.setattr(ops, "linear", lambda x, w, *a: weights.append(w) or linear(x, w, *a))
+    hidden = torch.randn(3, 32).bfloat16()
+    logits = ssm._logits(hidden)
+    assert weights == [ssm.head_packed]
+    reference_logits = hidden.double() @ ssm.head_weight.double().T
+    torch.testing.assert_close(logits.double(), reference_logits, rtol=1e-2, atol=1e-2)
     assert [o.token_ids for o in engine.generate(prompts, params)] == expected
 
 

@@ -60,6 +60,7 @@ class Speculator:
         self.head_weight: torch.Tensor | None = None
         self.int8 = False  # drafts through 8-bit codes (quantize_int8)
         self.head_codes = None  # (codes, scale) of head_weight when int8
+        self.head_packed = None  # head_weight in panels otherwise, where this CPU prefers them
         self.shares_target = False  # its layers are the target's (layer_selected)
         # Per cache row: the last draft's nodes the SSM ran (has K/V for), root included.
         self.fed: dict[int, set[int]] = {}
@@ -86,7 +87,7 @@ class Speculator:
             weight = self.model.lm_head.weight
             self.head_ids = torch.tensor(token_ids, device=weight.device)
             self.head_weight = ops.weight_rows(weight.detach(), self.head_ids).contiguous()
-        self._quantize_head()
+        self._prepare_head()
 
     def quantize_int8(self) -> None:
         """Draft through 8-bit codes of the SSM's own projections and of its restricted LM head
@@ -99,11 +100,15 @@ class Speculator:
             if isinstance(module, Projection) and module.quantizable:
                 module.quantize_int8()
         self.int8 = True
-        self._quantize_head()
+        self._prepare_head()
 
-    def _quantize_head(self) -> None:
-        use = self.int8 and self.head_weight is not None
-        self.head_codes = ops.quantize_int8(self.head_weight) if use else None
+    def _prepare_head(self) -> None:
+        """The restricted head's fastest form: 8-bit codes when drafting int8, else panels where
+        this CPU's linear prefers them (ops.pack_linear); head_weight [V', H] stays the source."""
+        w = self.head_weight
+        self.head_codes = ops.quantize_int8(w) if self.int8 and w is not None else None
+        plain = w is not None and self.head_codes is None
+        self.head_packed = ops.pack_linear(w) if plain else None
 
     def reset(self, rows: int, max_seq_len: int) -> None:
         """A new batch: keep the cache (and the graphs recorded over it) if it is large enough."""
@@ -240,6 +245,8 @@ class Speculator:
             return self.model.compute_logits(hidden)
         if self.head_codes is not None:
             return ops.linear_int8(hidden, *self.head_codes)
+        if self.head_packed is not None:
+            return ops.linear(hidden, self.head_packed)
         return ops.linear(hidden, self.head_weight)
 
     def _expand(self, tree: TokenTree, nodes: list[int], logits: torch.Tensor, width: int,
