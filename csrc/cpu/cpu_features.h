@@ -4,14 +4,19 @@
 #include <cstdlib>
 #include <cstring>
 
+// x86 with GCC or Clang: where the intrinsics kernels and their target attributes exist.
 #if defined(__x86_64__) && defined(__GNUC__)
+#define SPECINFER_HAVE_X86 1
+#endif
+
+#ifdef SPECINFER_HAVE_X86
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
 
 // Target attributes only mean something on x86; elsewhere the portable code is all there is.
-#if defined(__x86_64__) && defined(__GNUC__)
+#ifdef SPECINFER_HAVE_X86
 #define SPECINFER_TARGET(isa) __attribute__((target(isa)))
 #else
 #define SPECINFER_TARGET(isa)
@@ -40,7 +45,7 @@ inline int isa_cap() {
 }
 
 inline bool has_avx512() {
-#if defined(__x86_64__) && defined(__GNUC__)
+#ifdef SPECINFER_HAVE_X86
   static const bool yes = isa_cap() >= 2 && __builtin_cpu_supports("avx512f") &&
                           __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
@@ -51,7 +56,7 @@ inline bool has_avx512() {
 }
 
 inline bool has_avx512_vnni() {
-#if defined(__x86_64__) && defined(__GNUC__)
+#ifdef SPECINFER_HAVE_X86
   static const bool yes = has_avx512() && __builtin_cpu_supports("avx512vnni");
   return yes;
 #else
@@ -60,7 +65,7 @@ inline bool has_avx512_vnni() {
 }
 
 inline bool has_avx512_bf16() {
-#if defined(__x86_64__) && defined(__GNUC__)
+#ifdef SPECINFER_HAVE_X86
   static const bool yes = has_avx512() && __builtin_cpu_supports("avx512bf16");
   return yes;
 #else
@@ -72,7 +77,7 @@ inline bool has_avx512_bf16() {
 // AVX512-BF16, which the amx_bf16 family runs for its other kernels), which Linux lets a process
 // use only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, feature 18).
 inline bool has_amx_bf16() {
-#if defined(__x86_64__) && defined(__GNUC__)
+#ifdef SPECINFER_HAVE_X86
   static const bool yes = [] {
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
     if (isa_cap() < 3 || !has_avx512_bf16() || !__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) {
@@ -88,7 +93,7 @@ inline bool has_amx_bf16() {
 }
 
 inline bool has_avx2_fma() {
-#if defined(__x86_64__) && defined(__GNUC__)
+#ifdef SPECINFER_HAVE_X86
   static const bool yes =
       isa_cap() >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return yes;

@@ -8,9 +8,8 @@
 #include "cpu/cpu_features.h"
 #include "ops.h"
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#ifdef SPECINFER_HAVE_X86
 #include "cpu/avx512.h"
-#define SPECINFER_HAVE_X86 1
 #endif
 
 namespace specinfer {

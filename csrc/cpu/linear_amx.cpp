@@ -21,7 +21,7 @@
 #include <omp.h>
 #endif
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#ifdef SPECINFER_HAVE_X86
 #include "cpu/amx.h"
 #define SPECINFER_HAVE_AMX 1
 #endif

@@ -20,9 +20,8 @@
 #include "cpu/linear.h"
 #include "ops.h"
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#ifdef SPECINFER_HAVE_X86
 #include "cpu/avx512.h"
-#define SPECINFER_HAVE_X86 1
 #define SPECINFER_AVX512_VNNI SPECINFER_AVX512 ",avx512vnni"
 #endif
 

@@ -22,9 +22,8 @@
 #include "cpu/linear.h"
 #include "ops.h"
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#ifdef SPECINFER_HAVE_X86
 #include <immintrin.h>
-#define SPECINFER_HAVE_X86 1
 #endif
 
 namespace specinfer {
@@ -192,6 +191,20 @@ void run_typed(const PanelProblem& p, bool parallel) {
   run_panels(p, tile_portable<T>, parallel);
 }
 
+// Each panel's 16 rows of w into their slots, column by column; panels in parallel (the LM head
+// alone is tens of MB, packed at every load).
+template <typename T>
+void pack_panels(const T* w, int64_t row_stride, int64_t col_stride, T* out, int64_t N, int64_t K) {
+#pragma omp parallel for schedule(static)
+  for (int64_t panel = 0; panel < N / kPanel; ++panel) {
+    for (int c = 0; c < kPanel; ++c) {
+      const T* row = w + (panel * kPanel + c) * row_stride;
+      T* slots = out + panel * K * kPanel + slot_of<T>(c);
+      for (int64_t k = 0; k < K; ++k) slots[k * kPanel] = row[k * col_stride];
+    }
+  }
+}
+
 // Panels are read as one block: [panels, K, 16] with nothing between them.
 void check_packed(const TensorView& v, const std::string& op, const char* name) {
   if (v.strides[2] != 1 || v.strides[1] != kPanel || v.strides[0] != v.shape[1] * kPanel) {
@@ -230,17 +243,12 @@ void pack_linear_panels_cpu(const TensorView& w, const TensorView& out) {
   check_size(out, 1, K, op, "out", "in_features");
   check_size(out, 2, cpu::kPanel, op, "out", "16");
   cpu::check_packed(out, op, "out");
-  const int64_t elem = w.dtype == DType::kFloat32 ? 4 : 2;
-  const char* src = static_cast<const char*>(w.data);
-  char* dst = static_cast<char*>(out.data);
-  for (int64_t n = 0; n < N; ++n) {
-    const int64_t panel = n / cpu::kPanel, c = n % cpu::kPanel;
-    const int slot =
-        w.dtype == DType::kFloat32 ? cpu::slot_of<float>(int(c)) : cpu::slot_of<bf16>(int(c));
-    for (int64_t k = 0; k < K; ++k) {
-      std::copy_n(src + (n * w.strides[0] + k * w.strides[1]) * elem, elem,
-                  dst + ((panel * K + k) * cpu::kPanel + slot) * elem);
-    }
+  const int64_t s0 = w.strides[0], s1 = w.strides[1];
+  if (w.dtype == DType::kFloat32) {
+    cpu::pack_panels(static_cast<const float*>(w.data), s0, s1, static_cast<float*>(out.data), N,
+                     K);
+  } else {
+    cpu::pack_panels(static_cast<const bf16*>(w.data), s0, s1, static_cast<bf16*>(out.data), N, K);
   }
 }
 

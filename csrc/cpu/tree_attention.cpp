@@ -6,11 +6,10 @@
 #include "cpu/cpu_features.h"
 #include "ops.h"
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#ifdef SPECINFER_HAVE_X86
 #include "cpu/tree_attention_amx.h"
 #include "cpu/tree_attention_avx2.h"
 #include "cpu/tree_attention_avx512.h"
-#define SPECINFER_HAS_X86_TILES 1
 #endif
 
 #ifdef _OPENMP
@@ -41,14 +40,14 @@ template <typename T>
 SPECINFER_TARGET(SPECINFER_AVX512)
 void block_avx512(const TreeAttentionProblem<T>& p, int64_t b, int64_t h, int64_t r0, int64_t r1,
                   int64_t keys, float* w) {
-#ifdef SPECINFER_HAS_X86_TILES
+#ifdef SPECINFER_HAVE_X86
   dispatch_head_dim<T, Avx512Tiles>(p, b, h, r0, r1, keys, w);
 #else
   dispatch_head_dim(p, b, h, r0, r1, keys, w);
 #endif
 }
 
-#ifdef SPECINFER_HAS_X86_TILES
+#ifdef SPECINFER_HAVE_X86
 // bf16 on AMX: the scores on tiles (head dims 64 and 128), the rest as block_avx512.
 SPECINFER_TARGET(SPECINFER_AMX)
 void block_amx(const TreeAttentionProblem<bf16>& p, int64_t b, int64_t h, int64_t r0, int64_t r1,
@@ -61,7 +60,7 @@ template <typename T>
 SPECINFER_TARGET(SPECINFER_AVX2)
 void block_avx2(const TreeAttentionProblem<T>& p, int64_t b, int64_t h, int64_t r0, int64_t r1,
                 int64_t keys, float* w) {
-#ifdef SPECINFER_HAS_X86_TILES
+#ifdef SPECINFER_HAVE_X86
   dispatch_head_dim<T, Avx2Tiles>(p, b, h, r0, r1, keys, w);
 #else
   dispatch_head_dim(p, b, h, r0, r1, keys, w);
@@ -111,7 +110,7 @@ void run(const TreeAttentionArgs& a, const std::vector<int64_t>& rows,
   } else if (has_avx2_fma()) {
     block = block_avx2<T>;
   }
-#ifdef SPECINFER_HAS_X86_TILES
+#ifdef SPECINFER_HAVE_X86
   if constexpr (std::is_same_v<T, bf16>) {
     if (has_amx_bf16()) block = block_amx;
   }
