@@ -175,7 +175,7 @@ def test_a_drafter_whose_nodes_are_all_cut_stops_and_is_retried_ever_less_often(
         return _chain([4, 5, 6], source=1, tree=tree) if 1 in run else tree
 
     budget = SteepCosts()
-    budget._could_pay = lambda drafter, batch: True  # priced in the tests further down
+    budget._could_pay = lambda drafter, batch, backlog: True  # priced in the tests further down
     budget.time_step(1, 1, 0, 0)
     budget.observe([draft({1})] * 30, [[0, 1, 2, 3]] * 30)  # drafter 0 accepted, 1 never
     runs = []
@@ -311,14 +311,45 @@ class RowCosts(TreeBudget):
 
 def test_a_stopped_drafter_is_not_retried_where_its_trees_cannot_pay():
     """Retrying costs a forward as wide as the tree for every request: at 16 requests a tree
-    like its last one (a chain of 2, untested: 0.5 and 0.25 tokens expected) cannot pay, at 1
-    it can."""
+    like its last one cannot pay, at 1 it can."""
     for batch, retried in ((16, False), (1, True)):
-        budget = RowCosts()
-        budget.rest, budget.draft_each = 0.001, {0: 0.002}
-        budget._last_tree[0] = _chain([1, 2])
-        budget._idle[0] = PATIENCE  # stopped
+        budget = _stopped()
         assert any(0 in budget.drafts(1, batch) for _ in range(10)) == retried
+
+
+def _stopped(backlog_s: float | None = None) -> RowCosts:
+    """A budget whose drafter 0 stopped after a chain of 2 (untested: 0.5 and 0.25 tokens
+    expected), one that pays at 1 request (RowCosts); catching up cost `backlog_s` a token."""
+    budget = RowCosts()
+    budget.rest, budget.draft_each = 0.001, {0: 0.002}
+    budget._last_tree[0] = _chain([1, 2])
+    budget._idle[0] = PATIENCE
+    if backlog_s is not None:
+        budget.catch_up_s[0] = backlog_s
+    return budget
+
+
+def test_a_stopped_drafter_is_retried_only_where_it_earns_back_its_catch_up():
+    """A retry first feeds what the drafter skipped (a stopped SSM: every token since, prompts
+    included). A step drafting the chain saves ~5 ms against plain decoding here, so 10 tokens
+    at 1 ms are earned back within the back-off's 4 steps, 1000 not even within 64."""
+    for backlog, retried in ((10, True), (1000, False)):
+        budget = _stopped(backlog_s=0.001)
+        runs = [budget.drafts(1, 1, [backlog]) for _ in range(200)]
+        assert any(0 in run for run in runs) == retried
+    # Not learned yet: priced as free (the first retry learns it).
+    budget = _stopped()
+    assert any(0 in budget.drafts(1, 1, [1000]) for _ in range(10))
+
+
+def test_what_catching_up_costs_is_learned_at_a_retry():
+    """The retry's drafting took 52 ms where drafting alone takes 2: 50 ms for 50 tokens fed.
+    That prices the next retries; it is not what the drafter's drafting costs."""
+    budget = _stopped()
+    assert 0 in budget.drafts(1, 1, [7]) | budget.drafts(1, 1, [50])
+    budget.choose([_chain([1, 2])], GREEDY, draft_s=[0.052])
+    assert budget.catch_up_s[0] == pytest.approx(0.001)
+    assert budget.draft_each[0] == 0.002
 
 
 def test_a_stopped_drafter_is_retried_by_what_its_own_nodes_are_worth():
@@ -433,7 +464,7 @@ def test_a_refused_retry_backs_off_until_the_batch_shrinks():
     budget = RowCosts()
     budget._idle[0] = PATIENCE
     asked = []
-    budget._could_pay = lambda drafter, batch: asked.append(batch) or batch == 1
+    budget._could_pay = lambda drafter, batch, backlog: asked.append(batch) or batch == 1
     assert not any(0 in budget.drafts(1, 16) for _ in range(60))
     assert 4 <= len(asked) <= 6  # after 2, 4, 8, 16, 32 skipped steps: not 60 times
     assert budget.drafts(1, 1) == {0}  # the batch shrank: asked now, and it could pay

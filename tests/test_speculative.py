@@ -12,7 +12,7 @@ import torch
 import specinfer.engine.sequence
 from marks import CUDA
 from specinfer import Engine, SamplingParams, drafting, ops
-from specinfer.budget import TreeBudget
+from specinfer.budget import PATIENCE, TreeBudget
 from specinfer.speculator import Speculator
 from specinfer.tree import TreeConfig, merge_trees
 from test_budget import SteepCosts
@@ -189,6 +189,30 @@ def test_greedy_merged_trees_equal_incremental_tiny(tiny_pair, restricted_ssm, s
             assert outs[0].metrics["tokens_per_step"] > 3.0
     if head:
         assert engine.drafter.ssms[0].head_ids.tolist() == [0, 1, 2]
+
+
+def test_a_stopped_ssm_owes_the_prompts_it_skipped(tiny_pair):
+    """New prompts are not fed to an SSM the budget has stopped: its backlog (tokens it would
+    feed before drafting, which a retry must earn back) is then the whole prompt; an SSM that
+    drafts was fed at prefill and owes nothing. Prompt lookup never owes anything."""
+    assert _first_backlog(*tiny_pair, stopped=False) == [0, 0]
+    assert _first_backlog(*tiny_pair, stopped=True) == [len(PROMPT), 0]
+
+
+def _first_backlog(target, ssm, stopped: bool) -> list[int]:
+    """What the budget is told each drafter owes at the first decode step of PROMPT."""
+    engine = Engine(target, dtype="float32", ssm=[ssm, "ngram"])
+    backlogs, drafts = [], engine.budget.drafts
+
+    def spy(n, batch, backlog):
+        backlogs.append(backlog)
+        return drafts(n, batch, backlog)
+
+    engine.budget.drafts = spy
+    if stopped:
+        engine.budget._idle[0] = PATIENCE
+    engine.generate([PROMPT], SamplingParams(max_tokens=3, ignore_eos=True))
+    return backlogs[0]
 
 
 def test_restricted_head_proposes_only_its_tokens(tiny_pair, restricted_ssm):
@@ -424,7 +448,7 @@ class Rotating(TreeBudget):
     last: frozenset = frozenset()
     drafters = 0
 
-    def drafts(self, drafters, batch=1):
+    def drafts(self, drafters, batch=1, backlog=None):
         sets = [
             frozenset(c) for k in range(drafters, -1, -1) for c in combinations(range(drafters), k)
         ]
@@ -440,7 +464,7 @@ class Rotating(TreeBudget):
 
 
 class NeverDrafts(TreeBudget):
-    def drafts(self, drafters, batch=1):
+    def drafts(self, drafters, batch=1, backlog=None):
         return frozenset()
 
 

@@ -22,24 +22,25 @@ cut). Forward costs are learned per row count (batch x width), so they carry ove
 join and leave; width 1 (no speculation) is always a candidate, so when trees do not pay (large
 batches on a CPU) a step becomes plain decoding by itself.
 
-Drafting that only feeds the cut is time lost, so a drafter whose every node the cut dropped in
-its last PATIENCE steps stops drafting for the requests that may be cut (`drafts`); it drafts
-again after 2, then 4, ... 64 skipped steps, and resumes for good once it earns its place again
-(the text became predictable, the batch shrank), judged the step after its retry (the retry's
-drafting includes catching up). A retry that could not pay at the batch size (the drafter's
-nodes in a tree like its last one, by the rates and costs learned since) is refused without
-drafting and backs off the same way, unless the batch shrinks. The cut prices a step with the
-drafting already done (it is spent whatever is kept); whether drafting pays at all is the
-step's expected tokens per second against plain decoding's (untimed, at most what the narrowest
-timed forward cost: drafters are stopped on timings, not on guesses), which drafts
-nothing: where plain decoding would have been faster, the step counts as one with every node cut
-for all its drafters. And each drafter must earn its own drafting time: the step must be
-expected to be at least as fast as without it (without its drafting time, the nodes only it
-proposed and the forward rows they take), else it counts as cut too (a cheap drafter's accepted
-nodes, prompt lookup's, must not carry an SSM that costs more than it adds). Of drafters that
-propose the same nodes, one leaves at a time, and the others are judged without it. When all
-drafters stop, a step is plain decoding: no SSM forward at all. Lossless for the same reason as
-the cut.
+Drafting that only feeds the cut is time lost, so a drafter whose every node the cut dropped in its
+last PATIENCE steps stops drafting for the requests that may be cut (`drafts`); it drafts again
+after 2, then 4, ... 64 skipped steps, and resumes for good once it earns its place again (the text
+became predictable, the batch shrank), judged the step after its retry (the retry's drafting
+includes catching up). A retry that could not pay at the batch size (the drafter's nodes in a tree
+like its last one, by the rates and costs learned since) is refused without drafting and backs off
+the same way, unless the batch shrinks; so is one that could not earn back its catch-up (a stopped
+SSM feeds what it skipped first, new prompts included; the time per token is learned at its
+retries) within the steps it would wait before the next try. The cut prices a step with the
+drafting already done (it is spent whatever is kept); whether drafting pays at all is the step's
+expected tokens per second against plain decoding's (untimed, at most what the narrowest timed
+forward cost: drafters are stopped on timings, not on guesses), which drafts nothing: where plain
+decoding would have been faster, the step counts as one with every node cut for all its drafters.
+And each drafter must earn its own drafting time: the step must be expected to be at least as fast
+as without it (without its drafting time, the nodes only it proposed and the forward rows they
+take), else it counts as cut too (a cheap drafter's accepted nodes, prompt lookup's, must not carry
+an SSM that costs more than it adds). Of drafters that propose the same nodes, one leaves at a
+time, and the others are judged without it. When all drafters stop, a step is plain decoding: no
+SSM forward at all. Lossless for the same reason as the cut.
 
 An SSM given no tree config drafts a tree whose depth is chosen here too, each step, from the
 same costs (`depth`): its tree's levels have known widths (and a beam: how many of a level's
@@ -113,8 +114,12 @@ class TreeBudget:
         # smaller batch asks again at once, without waiting out the back-off.
         self._refused: dict[int, int] = {}
         # Drafters drafting again this step after skipping some: their drafting time includes
-        # catching up with what they skipped, so it does not say what their drafting costs.
+        # catching up with what they skipped, so it does not say what their drafting costs...
         self._resumed: set[int] = set()
+        # ... but, with the tokens each had to feed first (its backlog), what catching up costs:
+        # drafter -> seconds per token fed, learned at its retries.
+        self._backlog: dict[int, int] = {}
+        self.catch_up_s: dict[int, float] = {}
 
     def rate(self, drafter: int, depth: int, rank: int = 0, contested: bool = False) -> float:
         """Conditional acceptance of a node `drafter` proposed at `depth` as its rank-th child of
@@ -298,23 +303,31 @@ class TreeBudget:
                 gone.add(worst)
                 used.discard(worst)
         if draft_s is not None:
-            for i in proposed - on_trial:  # a retry's time includes catching up
+            for i in proposed - self._resumed:  # a retry's time includes catching up
                 per = draft_s[i] / len(trees)
                 old = self.draft_each.get(i)
                 self.draft_each[i] = _timing_average(old, per)
+            for i in proposed & self._resumed:  # what the catching up cost, per token fed
+                backlog, each = self._backlog.get(i, 0), self.draft_each.get(i)
+                if backlog > 0 and each is not None:
+                    per = max(0.0, draft_s[i] - each * len(trees)) / backlog
+                    self.catch_up_s[i] = _timing_average(self.catch_up_s.get(i), per)
         for i in proposed:
             if i in used:
                 self._idle[i], self._explore[i] = 0, EXPLORE[0]
             else:
                 self._idle[i] = PATIENCE - 1 if i in on_trial else self._idle.get(i, 0) + 1
 
-    def drafts(self, drafters: int, batch: int = 1) -> frozenset[int]:
+    def drafts(self, drafters: int, batch: int = 1,
+               backlog: list[int] | None = None) -> frozenset[int]:  # fmt: skip
         """Which of the `drafters` (ids 0..drafters-1) should draft this step's `batch` trees
         that may be cut: those the cut kept a node of lately, and a stopped one whose time to
         try again has come, if trees as large as lately could pay at this batch size (trying
-        costs a forward as wide as the tree for every request)."""
+        costs a forward as wide as the tree for every request) and earn back its catch-up.
+        `backlog`: per drafter, the tokens it would feed before drafting (a stopped SSM's
+        catch-up: what it skipped, prompts included; none for prompt lookup)."""
         run = set()
-        self._resumed = set()
+        self._resumed, self._backlog = set(), {}
         for i in range(drafters):
             if self._idle.get(i, 0) >= PATIENCE:
                 self._skipped[i] = self._skipped.get(i, 0) + 1
@@ -322,11 +335,13 @@ class TreeBudget:
                 if not shrank and self._skipped[i] < self._explore.get(i, EXPLORE[0]):
                     continue
                 self._explore[i] = min(2 * self._explore.get(i, EXPLORE[0]), EXPLORE[1])
-                if not self._could_pay(i, batch):  # refused on paper: backs off like a failure
+                waiting = backlog[i] if backlog else 0
+                if not self._could_pay(i, batch, waiting):  # refused: backs off like a failure
                     self._refused[i], self._skipped[i] = batch, 0
                     continue
                 self._refused.pop(i, None)
                 self._resumed.add(i)
+                self._backlog[i] = waiting
             self._skipped[i] = 0
             run.add(i)
         return frozenset(run)
@@ -336,10 +351,13 @@ class TreeBudget:
         feed new prompts (it catches up when it drafts again)."""
         return {i for i, idle in self._idle.items() if idle >= PATIENCE}
 
-    def _could_pay(self, drafter: int, batch: int) -> bool:
+    def _could_pay(self, drafter: int, batch: int, backlog: int = 0) -> bool:
         """Whether `drafter`'s nodes in a tree like its last one would beat plain decoding for
         `batch` requests, by the learned rates and costs (untimed widths priced
-        optimistically)."""
+        optimistically), by enough to earn back its catch-up (`backlog` tokens to feed first, at
+        what a token cost in its last catch-ups) within the steps it would otherwise wait
+        before trying again: a feature head stopped at 16 requests would catch up on all their
+        prompts, ~1 s here, to draft one step that cannot pay."""
         tree = self._last_tree.get(drafter)
         if tree is None or self.estimate(batch, 2) <= 0:
             return True
@@ -347,10 +365,14 @@ class TreeBudget:
         mine = {child for child, s in zip(tree.prop_child, tree.prop_source) if s == drafter}
         curve = list(accumulate(sorted((value[n] for n in mine), reverse=True)))
         spent = self.rest + self.draft_each.get(drafter, 0.0) * batch
-        plain = batch / max(self.rest + self._at_most(batch, 1), 1e-9)
+        plain_step = self.rest + self._at_most(batch, 1)
+        catch_up = backlog * self.catch_up_s.get(drafter, 0.0)
+        horizon = self._explore.get(drafter, EXPLORE[0])
         for width in range(2, len(curve) + 2):
             seconds = spent + self.estimate(batch, width)
-            if batch * (1 + curve[width - 2]) / seconds > plain:
+            # What plain steps would take for this step's tokens, less what it takes.
+            saved = (1 + curve[width - 2]) * plain_step - seconds
+            if saved > 0 and catch_up <= horizon * saved:
                 return True
         return False
 

@@ -20,7 +20,7 @@ from torch import nn
 from specinfer.default_model import DEFAULT_SSM_TREE, default_feature_path, default_ssm_path
 from specinfer.layers import pack_linears
 from specinfer.ngram import NgramConfig, NgramDrafter
-from specinfer.speculator import load_speculator, parse_layers
+from specinfer.speculator import Speculator, load_speculator, parse_layers
 from specinfer.suffix import SuffixConfig, SuffixDrafter
 from specinfer.tree import TokenTree, TreeConfig, merge_trees
 
@@ -82,6 +82,11 @@ class Drafter:
         for i, s in enumerate(self.ssms):
             if i not in skip:
                 s.prefill(batch, tokens)
+
+    def backlog(self, batch: list, tokens: list[list[int]]) -> list[int]:
+        """Per SSM, the tokens of these requests it would feed before drafting (see
+        Speculator.backlog); prompt lookup reads the tokens as they are: none."""
+        return [s.backlog(batch, tokens) if isinstance(s, Speculator) else 0 for s in self.ssms]
 
     def rollback(self, row: int, length: int) -> None:
         """Every SSM forgets what request `row` holds past its first `length` tokens."""

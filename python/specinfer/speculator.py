@@ -144,6 +144,12 @@ class Speculator:
         rejection left behind)."""
         self.cached[row] = min(self.cached[row], length)
 
+    def backlog(self, batch: list, tokens: list[list[int]]) -> int:
+        """Tokens of these requests (tokens[b]: request b's whole sequence) that a draft would
+        feed before each request's last: what was accepted since its last draft, or all it
+        skipped (prompt included) while the budget had it stopped."""
+        return sum(max(0, len(seq) - 1 - self.cached[r.row]) for r, seq in zip(batch, tokens))
+
     def draft(self, batch: list, tokens: list[list[int]], max_depths: list[int]) -> list[TokenTree]:
         """Draft one tree per request. `batch[b]` has .row, .params, .generator, .penalties and
         .output_ids; tokens[b] is its whole sequence; max_depths[b] caps its depth. A request

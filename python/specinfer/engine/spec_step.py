@@ -29,7 +29,9 @@ def speculative_step(seqs: list[Sequence], kv, runner: ModelRunner, drafter, bud
     # No point speculating past what the request may still generate.
     max_depths = [s.max_len - len(seq) - 1 for s, seq in zip(seqs, tokens)]
     n = len(drafter.ssms)
-    run = budget.drafts(n, len(seqs)) if budget else frozenset(range(n))
+    run = frozenset(range(n))
+    if budget:
+        run = budget.drafts(n, len(seqs), drafter.backlog(seqs, tokens))
     depths = [_depths(i, ssm, seqs, max_depths, i in run, budget)
               for i, ssm in enumerate(drafter.ssms)]  # fmt: skip
     t0 = time.perf_counter()
