@@ -317,15 +317,15 @@ def test_a_stopped_drafter_is_not_retried_where_its_trees_cannot_pay():
         assert any(0 in budget.drafts(1, batch) for _ in range(10)) == retried
 
 
-def _stopped(backlog_s: float | None = None) -> RowCosts:
+def _stopped(catch_up_s: float | None = None) -> RowCosts:
     """A budget whose drafter 0 stopped after a chain of 2 (untested: 0.5 and 0.25 tokens
-    expected), one that pays at 1 request (RowCosts); catching up cost `backlog_s` a token."""
+    expected), one that pays at 1 request (RowCosts); catching up cost `catch_up_s` a token."""
     budget = RowCosts()
     budget.rest, budget.draft_each = 0.001, {0: 0.002}
     budget._last_tree[0] = _chain([1, 2])
     budget._idle[0] = PATIENCE
-    if backlog_s is not None:
-        budget.catch_up_s[0] = backlog_s
+    if catch_up_s is not None:
+        budget.catch_up_s[0] = catch_up_s
     return budget
 
 
@@ -334,7 +334,7 @@ def test_a_stopped_drafter_is_retried_only_where_it_earns_back_its_catch_up():
     included). A step drafting the chain saves ~5 ms against plain decoding here, so 10 tokens
     at 1 ms are earned back within the back-off's 4 steps, 1000 not even within 64."""
     for backlog, retried in ((10, True), (1000, False)):
-        budget = _stopped(backlog_s=0.001)
+        budget = _stopped(catch_up_s=0.001)
         runs = [budget.drafts(1, 1, [backlog]) for _ in range(200)]
         assert any(0 in run for run in runs) == retried
     # Not learned yet: priced as free (the first retry learns it).
@@ -342,12 +342,18 @@ def test_a_stopped_drafter_is_retried_only_where_it_earns_back_its_catch_up():
     assert any(0 in budget.drafts(1, 1, [1000]) for _ in range(10))
 
 
-def test_what_catching_up_costs_is_learned_at_a_retry():
-    """The retry's drafting took 52 ms where drafting alone takes 2: 50 ms for 50 tokens fed.
-    That prices the next retries; it is not what the drafter's drafting costs."""
+@pytest.mark.parametrize("kept", [True, False])
+def test_what_catching_up_costs_is_learned_at_a_retry(kept):
+    """The retry's drafting took 52 ms where drafting alone takes 2: 50 ms for the 50 tokens it
+    fed first. That prices the next retries, whether the cut kept the retry's nodes or not; it
+    is not what the drafter's drafting costs."""
     budget = _stopped()
-    assert 0 in budget.drafts(1, 1, [7]) | budget.drafts(1, 1, [50])
-    budget.choose([_chain([1, 2])], GREEDY, draft_s=[0.052])
+    assert budget.drafts(1, 1, [0]) == set()  # the back-off's first step
+    assert budget.drafts(1, 1, [50]) == {0}
+    if not kept:  # meanwhile its chains turn out never accepted: the cut drops the retry's
+        budget.observe([_chain([1, 2])] * 30, [[0]] * 30)
+    chosen = budget.choose([_chain([1, 2])], GREEDY, draft_s=[0.052])
+    assert (len(chosen[0]) > 1) == kept
     assert budget.catch_up_s[0] == pytest.approx(0.001)
     assert budget.draft_each[0] == 0.002
 
