@@ -58,7 +58,7 @@ import json
 import pydoc
 import re
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from functools import partial
 from pathlib import Path
 from unittest.mock import patch
@@ -126,8 +126,10 @@ def tokens_per_step(engine: Engine, prompts: list[str], tokens: int, temperature
 
 def latency_ms(engine: Engine, prompts: list, tokens: int, batch: int, sampling=None) -> dict:
     """Per-token latency of requests run `batch` at a time, over every group of the prompts:
-    (time for N tokens - time for 1) / (N - 1), so prefill is excluded. `sampling`: more
-    SamplingParams fields (default: greedy)."""
+    while all of a group's requests decode (from the step that gave the last of them its first
+    token to the step that finished the first of them: no prefill runs then), seconds per token
+    a request gained, the mean over the group's requests (at batch 1, (time for N tokens - time
+    for 1) / (N - 1)). `sampling`: more SamplingParams fields (default: greedy)."""
     groups = [(prompts * batch)[i : i + batch] for i in range(0, max(len(prompts), batch), batch)]
     groups = [g for g in groups if len(g) == batch]
 
@@ -146,11 +148,11 @@ def latency_ms(engine: Engine, prompts: list, tokens: int, batch: int, sampling=
             if isinstance(s, SuffixDrafter):
                 stack.enter_context(s.unrecorded())
         run(groups[0], tokens)
-    decode_s, outs, leads = 0.0, [], []
+    decode_ms, outs, leads = [], [], []
     for group in groups:
-        first, _ = run(group, 1)
-        full, group_outs = run(group, tokens)
-        decode_s += full - first
+        with _token_times(engine) as times:
+            _, group_outs = run(group, tokens)
+        decode_ms.append(_decoding_ms_per_token(times))
         outs += group_outs
         # A batch's step times are shared by its requests; the one that ran longest was in
         # every step of the batch (the first to end was not: its steps undercount the batch's).
@@ -162,7 +164,7 @@ def latency_ms(engine: Engine, prompts: list, tokens: int, batch: int, sampling=
         return 1000 * sum((x if i is None else x["per_ssm"][i])[key] for x in leads) / steps
 
     return {
-        "ms_per_token": 1000 * decode_s / (len(groups) * (tokens - 1)),
+        "ms_per_token": sum(decode_ms) / len(decode_ms),
         "tokens_per_step": sum(o.metrics["generated_tokens"] - 1 for o in outs)
         / max(1, sum(o.metrics["steps"] for o in outs)),
         # Nodes of the verified tree a request had a step, root included: the target forward's
@@ -179,6 +181,39 @@ def latency_ms(engine: Engine, prompts: list, tokens: int, batch: int, sampling=
             for i, name in enumerate(per_ssm)
         },
     }
+
+
+@contextmanager
+def _token_times(engine: Engine):
+    """Per request id, (time, tokens so far) after each engine step that gave it tokens."""
+    times: dict = {}
+    step = engine.step
+
+    def timed_step():
+        outs = step()
+        now = time.perf_counter()
+        for o in outs:
+            if o.token_ids:
+                times.setdefault(o.request_id, []).append((now, o.completion_tokens))
+        return outs
+
+    with patch.object(engine, "step", timed_step):
+        yield times
+
+
+def _decoding_ms_per_token(times: dict) -> float:
+    """ms per token while every request decodes (see latency_ms), from _token_times."""
+    start = max(t[0][0] for t in times.values())
+    end = min(t[-1][0] for t in times.values())
+
+    def tokens_at(t: list, when: float) -> int:
+        return max(n for at, n in t if at <= when)
+
+    gained = [tokens_at(t, end) - tokens_at(t, start) for t in times.values()]
+    if end <= start or min(gained) == 0:  # never all decoding at once: each request's own run
+        spans = [(t[-1][0] - t[0][0], t[-1][1] - t[0][1]) for t in times.values()]
+        return sum(1000 * s / max(1, n) for s, n in spans) / len(spans)
+    return sum(1000 * (end - start) / g for g in gained) / len(gained)
 
 
 def main() -> None:
