@@ -113,12 +113,11 @@ class TreeBudget:
         # Drafter -> the batch size at which its retry was last refused (`_could_pay`): a
         # smaller batch asks again at once, without waiting out the back-off.
         self._refused: dict[int, int] = {}
-        # Drafters drafting again this step after skipping some: their drafting time includes
-        # catching up with what they skipped, so it does not say what their drafting costs...
-        self._resumed: set[int] = set()
-        # ... but, with the tokens each had to feed first (its backlog), what catching up costs:
-        # drafter -> seconds per token fed, learned at its retries.
-        self._backlog: dict[int, int] = {}
+        # Drafters drafting again this step after skipping some -> the tokens each feeds first
+        # (its backlog): their drafting time includes catching up, so it does not say what their
+        # drafting costs, but with the backlog it says what catching up costs: drafter ->
+        # seconds per token fed, learned at its retries.
+        self._resumed: dict[int, int] = {}
         self.catch_up_s: dict[int, float] = {}
 
     def rate(self, drafter: int, depth: int, rank: int = 0, contested: bool = False) -> float:
@@ -275,7 +274,7 @@ class TreeBudget:
         # A drafter back from a stop drafted with catching up: its time says little, so it is
         # kept on trial (one more step decides), and the others are judged as if it had not
         # drafted (its nodes must not push out one that was paying before it came back).
-        on_trial = used & self._resumed
+        on_trial = used & self._resumed.keys()
         used -= on_trial
         if draft_s is not None and used:
             batch, gone = len(trees), set(on_trial)
@@ -303,12 +302,12 @@ class TreeBudget:
                 gone.add(worst)
                 used.discard(worst)
         if draft_s is not None:
-            for i in proposed - self._resumed:  # a retry's time includes catching up
+            for i in proposed - self._resumed.keys():  # a retry's time includes catching up
                 per = draft_s[i] / len(trees)
                 old = self.draft_each.get(i)
                 self.draft_each[i] = _timing_average(old, per)
-            for i in proposed & self._resumed:  # what the catching up cost, per token fed
-                backlog, each = self._backlog.get(i, 0), self.draft_each.get(i)
+            for i in proposed & self._resumed.keys():  # what catching up cost, per token fed
+                backlog, each = self._resumed[i], self.draft_each.get(i)
                 if backlog > 0 and each is not None:
                     per = max(0.0, draft_s[i] - each * len(trees)) / backlog
                     self.catch_up_s[i] = _timing_average(self.catch_up_s.get(i), per)
@@ -327,7 +326,7 @@ class TreeBudget:
         `backlog`: per drafter, the tokens it would feed before drafting (a stopped SSM's
         catch-up: what it skipped, prompts included; none for prompt lookup)."""
         run = set()
-        self._resumed, self._backlog = set(), {}
+        self._resumed = {}
         for i in range(drafters):
             if self._idle.get(i, 0) >= PATIENCE:
                 self._skipped[i] = self._skipped.get(i, 0) + 1
@@ -340,8 +339,7 @@ class TreeBudget:
                     self._refused[i], self._skipped[i] = batch, 0
                     continue
                 self._refused.pop(i, None)
-                self._resumed.add(i)
-                self._backlog[i] = waiting
+                self._resumed[i] = waiting
             self._skipped[i] = 0
             run.add(i)
         return frozenset(run)
