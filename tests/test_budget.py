@@ -121,6 +121,25 @@ def test_untimed_widths_are_priced_optimistically():
     assert budget.estimate(1, 4) == pytest.approx(0.75 * 0.040 + 0.25 * 0.080)
 
 
+def test_a_forward_is_priced_by_its_first_run_where_the_runner_says_it_ran_warm():
+    """A fresh engine at 16 requests verifies whole trees until a forward is priced; a tree of
+    336 rows runs eagerly (too wide for a graph), so its first run prices it (warm=True), and
+    the next step is cut. One that recorded a graph (warm=False) is never counted."""
+    tree = _chain([1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+    budget = TreeBudget()
+    budget.time_step(16, 21, 1.3, 0.001, None, warm=None)  # unknown: a first shape is skipped
+    assert budget.cost == {} and budget.choose([tree] * 16, GREEDY * 16) == [list(range(11))] * 16
+    budget.time_step(16, 11, 0.9, 0.001, None, warm=True)
+    assert budget.cost == {176: 0.9}
+    kept = budget.choose([tree] * 16, GREEDY * 16)
+    assert all(len(k) < len(tree) for k in kept)  # priced: no longer verified whole
+    budget.time_step(16, 1, 0.5, 0.001, None, warm=False)  # recorded its graph: not counted
+    budget.time_step(16, 1, 0.5, 0.001, None, warm=False)  # nor later (a graph recorded again)
+    assert 16 not in budget.cost
+    budget.time_step(16, 1, 0.05, 0.001, None)  # seen before: counted, as without `warm`
+    assert budget.cost[16] == 0.05
+
+
 def test_untimed_widths_between_and_beyond_timed_ones_follow_their_lines():
     budget = TreeBudget()
     for rows, seconds in ((1, 0.020), (4, 0.026), (8, 0.040)):

@@ -115,6 +115,30 @@ def test_a_replay_checks_indices_again(tmp_path):
         assert runner.replays == 5
 
 
+def test_the_runner_says_which_forwards_ran_as_their_shape_will_again(tmp_path, monkeypatch):
+    """`warm` (what the budget prices a shape by): False after a recording, True after a
+    replay or an eager forward too wide for any graph, None where graphs play no part."""
+    _, model = build_pair("llama-gqa", tmp_path, dtype=torch.bfloat16)
+    runner = GraphRunner(model)
+    monkeypatch.setattr(graphs, "MAX_ROWS", 4)
+    with torch.inference_mode():
+        kv = model.make_kv_cache(2, 32)
+        states = []
+        for p in range(2):  # recorded, then replayed
+            _decode(runner, kv, p, p)
+            states.append(runner.warm)
+        T = 3  # 2 x 3 rows: past MAX_ROWS, eager
+        ids, rows = torch.full((2, T), 5), torch.arange(2)
+        mask = torch.ones(T, T, dtype=torch.bool).tril().expand(2, T, T).clone()
+        prefix = torch.tensor([2, 0])
+        runner(ids, prefix[:, None] + torch.arange(T), kv, rows, prefix, mask)
+        states.append(runner.warm)
+        runner.enabled = False
+        _decode(runner, kv, 2, 2)
+        states.append(runner.warm)
+    assert states == [False, True, True, None]
+
+
 def test_a_new_cache_drops_the_graphs_of_the_old_one(tmp_path):
     _, model = build_pair("llama-gqa", tmp_path, dtype=torch.bfloat16)
     runner = GraphRunner(model)

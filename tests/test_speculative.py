@@ -215,6 +215,23 @@ def _first_backlog(target, ssm, stopped: bool) -> list[int]:
     return backlogs[0]
 
 
+@pytest.mark.skipif(ops._C is None, reason="needs the compiled extension (op graphs)")
+def test_the_budget_is_told_how_each_forward_ran(tiny_pair):
+    """Each step hands the budget the runner's word on its forward (graphs.GraphRunner.warm):
+    a recording is not a price, a replay is."""
+    engine = Engine(tiny_pair[0], dtype="bfloat16", ssm="ngram", tree="2")
+    told, time_step = [], engine.budget.time_step
+
+    def spy(*args):
+        told.append((args[-1], engine.runner.warm))
+        return time_step(*args)
+
+    engine.budget.time_step = spy
+    engine.generate([PROMPT], SamplingParams(max_tokens=12, ignore_eos=True))
+    assert told and all(a == b for a, b in told)
+    assert {False, True} <= {a for a, _ in told}
+
+
 def test_restricted_head_proposes_only_its_tokens(tiny_pair, restricted_ssm):
     engine = Engine(tiny_pair[0], dtype="float32", ssm=restricted_ssm, tree="3,3")
     (ssm,) = engine.drafter.ssms

@@ -476,18 +476,23 @@ class TreeBudget:
                         self.accepted[key] = self.accepted.get(key, 0.0) + hit
 
     def time_step(self, batch: int, width: int, target_s: float, rest_s: float,
-                  draft_s: float | None = None) -> None:  # fmt: skip
+                  draft_s: float | None = None, warm: bool | None = None) -> None:  # fmt: skip
         """Record a step's timings: its target forward, the rest (verification, commit), and
         its drafting (None: it drafted nothing). A shape's first forward records its graph, so
         it is not counted, nor the drafting that step (a fresh drafter's first forwards record
-        theirs: ten times a step's drafting, which would price a drafter out from the start)."""
+        theirs: ten times a step's drafting, which would price a drafter out from the start).
+        `warm`: whether the forward ran as its shape will again (the runner knows: True for a
+        forward too wide for a graph, False for one that recorded); None: judged by the shape
+        being seen before. A fresh engine at 16 requests verifies whole trees of 300-460 rows
+        (~1.4 s each here) until a forward is priced: each new batch size's first was skipped,
+        though forwards that wide run eagerly and are priced by their first run."""
         self.rest = _timing_average(self.rest or None, rest_s)
         first = (batch, width) not in self._seen
+        self._seen.add((batch, width))
         if draft_s is not None and not first:
             per_request = draft_s / batch
             self.drafting = _timing_average(self.drafting or None, per_request)
-        if first:
-            self._seen.add((batch, width))
+        if not warm if warm is not None else first:
             return
         rows = batch * width
         self.cost[rows] = _timing_average(self.cost.get(rows), target_s)

@@ -94,12 +94,18 @@ class GraphRunner:
         self._kv = None
         self.replays = 0  # forwards run from a graph, for tests and profiling
         self.taps: list[torch.Tensor] = []
+        # Whether the last call ran as a call of its shape will run again, so its time prices
+        # the shape: True after a replay, or an eager run too wide for any graph (no graph will
+        # ever be recorded for it); False after a recording; None when graphs play no part (a
+        # GPU, graphs off), where only the caller can tell (its shape seen before or not).
+        self.warm: bool | None = None
 
     def __call__(
         self, input_ids, positions, kv, cache_rows, prefix_lens, tree_mask
     ) -> torch.Tensor:
         key = self._key(input_ids, positions, kv, cache_rows, prefix_lens, tree_mask)
         if key is None:
+            self.warm = self._eager_warm(input_ids)
             out = self.model(input_ids, positions, kv, cache_rows, prefix_lens, tree_mask)
             self.taps = _taps(self.model)
             return out
@@ -110,6 +116,7 @@ class GraphRunner:
         """The same from the first layer's input h [B, T, H] (a feature head's fused input)."""
         key = self._key(h[..., 0], positions, kv, cache_rows, prefix_lens, tree_mask)
         if key is None:
+            self.warm = self._eager_warm(h[..., 0])
             return self._eager(h, positions, kv, cache_rows, prefix_lens, tree_mask)
         return self._run(key, h, positions, kv, cache_rows, prefix_lens, tree_mask)
 
@@ -126,8 +133,10 @@ class GraphRunner:
         if graph is not None:
             self._graphs.move_to_end(key)
             self.replays += 1
+            self.warm = True
             out = graph.replay(inputs)
         else:
+            self.warm = False
             try:
                 graph = _Recorded(self.model, kv, inputs)
             except ops.RecordingRefused:
@@ -141,6 +150,11 @@ class GraphRunner:
             out = graph.output.clone()
         self.taps = graph.taps
         return out
+
+    def _eager_warm(self, input_ids: torch.Tensor) -> bool | None:
+        """`warm` for an eager call: True where graphs are recorded but this one is too wide."""
+        wide = input_ids.shape[0] * input_ids.shape[1] > MAX_ROWS
+        return True if self.enabled and input_ids.is_cpu and wide else None
 
     def release(self) -> None:
         """Drop every graph (and with them the cache and buffers they hold)."""
