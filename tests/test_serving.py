@@ -7,7 +7,7 @@ import random
 import pytest
 
 from specinfer import Engine, SamplingParams
-from specinfer.engine import AsyncEngine
+from specinfer.engine import AsyncEngine, model_runner
 from test_budget import SteepCosts
 from test_speculative import VOCAB, tiny_pair  # noqa: F401
 
@@ -85,6 +85,26 @@ def test_chunked_prefill_equals_whole_prefill(tiny_pair):  # noqa: F811
     whole = Engine(tiny_pair[0], dtype="float32").generate(prompts, params)
     chunked = Engine(tiny_pair[0], dtype="float32", max_tokens_per_step=3).generate(prompts, params)
     assert [c.token_ids for c in chunked] == [w.token_ids for w in whole]
+
+
+def test_prompts_share_a_prefill_forward_only_when_padding_is_short(tiny_pair):  # noqa: F811
+    """On a CPU a padding row costs what a real one does: prompts of 30 and 26 tokens share a
+    forward (4 rows of padding), those of 12 and 1 run in their own; outputs as if alone."""
+    assert model_runner.PREFILL_PADDING == 8
+    prompts = [[(7 * i + j) % VOCAB for j in range(n)] for i, n in enumerate((12, 30, 1, 26))]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    engine = Engine(tiny_pair[0], dtype="float32")
+    widths, forward_chains = [], engine.runner.forward_chains
+
+    def spy(kv, seqs, chains, prefix):
+        widths.append(sorted(len(c) for c in chains))
+        return forward_chains(kv, seqs, chains, prefix)
+
+    engine.runner.forward_chains = spy
+    out = engine.generate(prompts, params)
+    assert widths[:3] == [[26, 30], [12], [1]]  # then decode steps: [1, 1, 1, 1]
+    alone = Engine(tiny_pair[0], dtype="float32")
+    assert [o.token_ids for o in out] == [alone.generate([p], params)[0].token_ids for p in prompts]
 
 
 def test_abort_frees_the_row_and_spares_the_others(tiny_pair):  # noqa: F811
