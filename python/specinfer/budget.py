@@ -492,7 +492,8 @@ class TreeBudget:
         if draft_s is not None and not first:
             per_request = draft_s / batch
             self.drafting = _timing_average(self.drafting or None, per_request)
-        if not warm if warm is not None else first:
+        priced = (not first) if warm is None else warm
+        if not priced:
             return
         rows = batch * width
         self.cost[rows] = _timing_average(self.cost.get(rows), target_s)

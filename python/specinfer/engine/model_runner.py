@@ -27,8 +27,8 @@ from specinfer.tree import TokenTree
 
 # Padding rows a prompt chunk may take to share a forward with longer ones, on a CPU: there a
 # row costs what it computes (~2 ms here past a few rows) and a forward's fixed cost is a few
-# rows', so 16 prompts padded to the longest (~1.5x their rows at 16 requests) ran ~30% of a
-# served run's prefill for nothing. A GPU computes padding nearly free: chunks always share.
+# rows'. Padded to the longest, 32 held-out prompts served 16 at a time ran 1.5x their rows
+# (their prefill 13-26% slower). A GPU computes padding nearly free: chunks always share.
 PREFILL_PADDING = 8
 
 
