@@ -223,7 +223,7 @@ def test_the_budget_is_told_how_each_forward_ran(tiny_pair):
     told, time_step = [], engine.budget.time_step
 
     def spy(*args):
-        told.append((args[-1], engine.runner.warm))
+        told.append((args[-1], engine.runner.graphs.warm))
         return time_step(*args)
 
     engine.budget.time_step = spy

@@ -44,7 +44,6 @@ class ModelRunner:
         self.ssm_views, self.ssm_caches = {}, {}  # layer-selected SSMs (see ssm_cache)
         self.streamer = getattr(model, "layer_streamer", None)  # offloaded layers (offload.py)
         self.forwards = 0  # target forwards run (rank 0)
-        self.warm: bool | None = None  # whether its time prices its shape (graphs.py)
         # A feature-level draft head's input: called (sequences, first slots, features [B, T, F],
         # lengths) with the features of the tokens each forward keeps: the final hidden states,
         # after the kept inputs of the layers the model taps (LlamaForCausalLM.tap), if any.
@@ -66,13 +65,11 @@ class ModelRunner:
     def forward(self, tokens, positions, table, prefix, mask, last) -> torch.Tensor | None:
         """Logits of every row [B, T, V], or with `last` [B] of row last[b] only [B, V] (on
         rank 0; None on the other pipeline stages)."""
-        self.warm = None
         if self.par is not None and self.par.pp > 1:
             return self._pipelined(tokens, positions, table, prefix, mask, last)
         dev = self.device
         hidden = self.graphs(tokens.to(dev), positions.to(dev), self.cache, table.to(dev),
                              prefix.to(dev), mask.to(dev))  # fmt: skip
-        self.warm = self.graphs.warm
         if self.feature_sink is not None:
             self.hidden = target_features(hidden, self.graphs.taps)
         if last is not None:

@@ -72,7 +72,7 @@ def speculative_step(seqs: list[Sequence], kv, runner: ModelRunner, drafter, bud
         budget.observe(drafted, [_drafted_path(d, t, p) for d, t, p in zip(drafted, trees, paths)],
                        [nxt for _, nxt in verified])  # fmt: skip
         budget.time_step(len(seqs), max(len(t) for t in trees), t2 - t1, t4 - t2,
-                         t1 - t0 if run else None, runner.warm)  # fmt: skip
+                         t1 - t0 if run else None, runner.graphs.warm)  # fmt: skip
     drafter.record([s.metrics for s in seqs], paths)
     for s, path, tree in zip(seqs, paths, trees):
         m = s.metrics
