@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from specinfer.kv_cache import zeros
 from specinfer.speculator import Speculator
 
 
@@ -34,7 +35,7 @@ class FeatureSpeculator(Speculator):
         if self.kv is not kv or self.features is None:
             rows, H = self.kv.rows, self.model.config.hidden_size
             like = {"dtype": self.model.fc.weight.dtype, "device": self.kv.k[0].device}
-            self.features = torch.zeros(rows, 1 + self.kv.max_seq_len, H, **like)
+            self.features = zeros((rows, 1 + self.kv.max_seq_len, H), **like)
             self.drafted = torch.zeros(rows, 2 * self.tree.num_nodes, H, **like)
 
     def release(self) -> None:
