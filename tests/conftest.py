@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def gguf_cache():
+    """GGUF conversions (loader.converted_gguf) go to a directory of this session's own, removed
+    at its end: tests neither read nor fill the user's cache (a conversion of the default model is
+    538 MB). Worker processes the tests spawn inherit it."""
+    root = tempfile.mkdtemp(prefix="specinfer-gguf-")
+    old = os.environ.get("SPECINFER_GGUF_CACHE")
+    os.environ["SPECINFER_GGUF_CACHE"] = root
+    yield Path(root)
+    if old is None:
+        del os.environ["SPECINFER_GGUF_CACHE"]
+    else:
+        os.environ["SPECINFER_GGUF_CACHE"] = old
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

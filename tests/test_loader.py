@@ -263,3 +263,60 @@ def test_gguf_rope_freqs_reproduce_llama3_scaling(tmp_path):
     torch.testing.assert_close(
         logits_of(load_model(tmp_path / "m.gguf"), ids), hf_logits(hf, ids), atol=1e-4, rtol=0
     )
+
+
+def _same_weights(a, b) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_a_gguf_file_is_converted_once_and_loads_as_read_directly(tmp_path, monkeypatch, tie):
+    import specinfer.loader as loader
+
+    path, cache = tmp_path / "m.gguf", tmp_path / "cache"
+    factors = np.linspace(1.0, 4.0, 8, dtype=np.float32)  # rope_scaling goes through the config
+    write_gguf(path, tiny_llama(tie), Q.Q4_1, extra={"rope_freqs.weight": factors})
+    monkeypatch.setenv("SPECINFER_GGUF_CACHE", "0")
+    direct = {dtype: load_model(path, dtype) for dtype in (torch.float32, torch.bfloat16)}
+    assert not cache.exists()
+    monkeypatch.setenv("SPECINFER_GGUF_CACHE", str(cache))
+    first = load_model(path)
+    [converted] = cache.iterdir()
+    assert sorted(f.name for f in converted.iterdir()) == [
+        "config.json", "tensors.safetensors", "tokenizer_gguf.json"]  # fmt: skip
+
+    def read_again(path):
+        raise AssertionError(f"{path} was read again")
+
+    monkeypatch.setattr(loader, "_read_gguf", read_again)
+    for dtype, model in [(torch.float32, first)] + [(d, load_model(path, d)) for d in direct]:
+        assert model.config == direct[dtype].config and model.config.rope_scaling["factors"]
+        assert _same_weights(model, direct[dtype]), dtype
+    assert list(cache.iterdir()) == [converted]
+
+
+def test_a_changed_gguf_file_is_converted_again_in_place_of_its_old_conversion(
+    tmp_path, monkeypatch
+):
+    path, cache = tmp_path / "m.gguf", tmp_path / "cache"
+    monkeypatch.setenv("SPECINFER_GGUF_CACHE", str(cache))
+    write_gguf(path, tiny_llama(tie=False), Q.F32)
+    assert not load_model(path).config.tie_word_embeddings
+    [old] = cache.iterdir()
+    write_gguf(path, tiny_llama(tie=True), Q.F32)
+    assert load_model(path).config.tie_word_embeddings
+    [new] = cache.iterdir()
+    assert new != old
+
+
+def test_a_cache_that_cannot_be_written_leaves_the_gguf_file_read_directly(tmp_path, monkeypatch):
+    path, cache = tmp_path / "m.gguf", tmp_path / "cache"
+    write_gguf(path, tiny_llama(), Q.Q8_0)
+    cache.write_text("a file where the cache directory would be")
+    monkeypatch.setenv("SPECINFER_GGUF_CACHE", str(cache))
+    with pytest.warns(UserWarning, match="could not cache m.gguf"):
+        model = load_model(path)
+    monkeypatch.setenv("SPECINFER_GGUF_CACHE", "0")
+    assert _same_weights(model, load_model(path))
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no leftovers

@@ -59,3 +59,29 @@ def test_missing_tokenizer_files(tmp_path):
         TokenizerWrapper.from_path(tmp_path)
     with pytest.raises(FileNotFoundError, match="GGUF"):
         TokenizerWrapper.from_path(tmp_path / "missing.gguf")
+
+
+def test_a_gguf_tokenizer_reads_the_same_from_the_file_and_from_its_conversion(
+    smollm_gguf, monkeypatch
+):
+    from specinfer.loader import converted_gguf
+
+    monkeypatch.setenv("SPECINFER_GGUF_CACHE", "0")
+    direct = TokenizerWrapper.from_path(smollm_gguf)
+    monkeypatch.undo()  # the session's cache
+    assert converted_gguf(smollm_gguf) is not None
+
+    def read_again(*args):
+        raise AssertionError("the GGUF file's tokenizer was read again")
+
+    monkeypatch.setattr(TokenizerWrapper, "_read_gguf", read_again)
+    converted = TokenizerWrapper.from_path(smollm_gguf)
+    for text in TEXTS + ["<|im_start|>user\nhi<|im_end|>", "  tabs\tand\r\nnewlines 12345"]:
+        assert converted.encode(text) == direct.encode(text)
+        ids = direct.encode(text)
+        assert converted.decode(ids) == direct.decode(ids)
+        assert converted.decode(ids, False) == direct.decode(ids, False)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert converted.apply_chat_template(chat) == direct.apply_chat_template(chat)
+    for name in ("vocab_size", "bos_token_id", "eos_token_id", "add_bos", "chat_template"):
+        assert getattr(converted, name) == getattr(direct, name), name

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import glob
+import hashlib
 import json
+import os
+import shutil
+import tempfile
+import warnings
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -13,9 +20,11 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
 
+from specinfer.default_model import cache_dir
 from specinfer.models import ModelConfig, build_model
 
 GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -135,6 +144,15 @@ def open_gguf(path: str | Path) -> GGUFReader:
 
 
 def _load_gguf(path: Path, dtype, device) -> nn.Module:
+    converted = converted_gguf(path)
+    config, tensors, total = _read_converted(converted) if converted else _read_gguf(path)
+    model = _build(config, dtype, device)
+    load_weights(model, tensors(), total, desc=f"loading {path.name}")
+    return model
+
+
+def _read_gguf(path: Path) -> tuple[ModelConfig, Callable[[], Iterator], int]:
+    """A GGUF file's config, its tensors (HF names, dequantised to float32) and their count."""
     reader = open_gguf(path)
     meta = {
         key: field.contents()
@@ -176,9 +194,78 @@ def _load_gguf(path: Path, dtype, device) -> nn.Module:
                 w = _unpermute_rope(w, config.num_kv_heads)
             yield hf_name or name, w
 
-    model = _build(config, dtype, device)
-    load_weights(model, tensors(), len(by_name), desc=f"loading {path.name}")
-    return model
+    return config, tensors, len(by_name)
+
+
+# A GGUF file is read once: the gguf package takes ~6 s to parse the default model's tokenizer
+# metadata and ~3 s to dequantise its tensors, so the first load writes what they give (the
+# tensors as float32 safetensors, the config, the tokenizer) to a directory of the cache, and
+# later loads read that (~0.7 s). $SPECINFER_GGUF_CACHE: that directory's parent ("0": off);
+# default $SPECINFER_CACHE/gguf. A conversion is redone when the file or the code that converts
+# it changes, and replaces the file's older conversions.
+_CONVERTER_SOURCES = ("loader.py", "tokenizer.py", "models/config.py")
+_TENSORS = "tensors.safetensors"
+
+
+def converted_gguf(path: str | Path) -> Path | None:
+    """The directory a GGUF file converts to (converted here on first use); None where the
+    cache is off or cannot be written (then read the file itself)."""
+    setting = os.environ.get("SPECINFER_GGUF_CACHE", "")
+    if setting == "0":
+        return None
+    root = Path(setting) if setting else cache_dir() / "gguf"
+    path = Path(path).resolve()
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
+    for name in _CONVERTER_SOURCES:
+        key.update((Path(__file__).parent / name).read_bytes())
+    out = root / f"{path.stem}-{key.hexdigest()[:16]}"
+    if out.is_dir():  # a conversion appears whole (renamed into place)
+        return out
+    try:
+        _convert_gguf(path, out)
+    except OSError as e:
+        message = f"could not cache {path.name} in {root} ({e}); reading the GGUF file"
+        warnings.warn(message, stacklevel=2)
+        return None
+    return out
+
+
+def _convert_gguf(path: Path, out: Path) -> None:
+    from specinfer.tokenizer import TokenizerWrapper
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        config, tensors, total = _read_gguf(path)
+        named = tqdm(tensors(), total=total, desc=f"converting {path.name}", unit="tensor")
+        save_file({name: w.contiguous() for name, w in named}, tmp / _TENSORS)
+        (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(config)))
+        TokenizerWrapper.save_gguf(path, tmp)
+        for old in out.parent.glob(f"{glob.escape(path.stem)}-*"):
+            if len(old.name) == len(out.name) and old != out:  # this file's earlier conversion
+                shutil.rmtree(old, ignore_errors=True)
+        try:
+            tmp.rename(out)
+        except OSError:
+            if not out.is_dir():  # else another process converted it first
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _read_converted(out: Path) -> tuple[ModelConfig, Callable[[], Iterator], int]:
+    config = json.loads((out / "config.json").read_text())
+    config["feature_layers"] = tuple(config["feature_layers"])
+    with safe_open(out / _TENSORS, framework="pt") as st:
+        names = list(st.keys())
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        with safe_open(out / _TENSORS, framework="pt") as st:
+            for name in names:
+                yield name, st.get_tensor(name)
+
+    return ModelConfig(**config), tensors, len(names)
 
 
 def _gguf_to_hf_name(name: str) -> str | None:

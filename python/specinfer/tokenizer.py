@@ -11,6 +11,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 # GGUF token types (llama.cpp's llama_token_type): 3 = control, 4 = user-defined.
 _CONTROL, _USER_DEFINED = 3, 4
+_GGUF_SAVED = "tokenizer_gguf.json"  # in a GGUF file's conversion: the wrapper's other fields
 
 # Pre-tokenizer splits that differ from GPT-2's, keyed by the GGUF `tokenizer.ggml.pre` name.
 _LLAMA3_SPLIT = (
@@ -109,20 +110,44 @@ class TokenizerWrapper:
 
     @classmethod
     def from_gguf(cls, path: Path) -> TokenizerWrapper:
-        from specinfer.loader import open_gguf
+        from specinfer.loader import converted_gguf, open_gguf
 
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {path}")
-        reader = open_gguf(path)
+        converted = converted_gguf(path)
+        if converted is None:
+            return cls._read_gguf(open_gguf(path), path.name)
+        saved = json.loads((converted / _GGUF_SAVED).read_text())
+        if "error" in saved:  # the file's tokenizer is not supported
+            raise ValueError(saved["error"])
+        return cls(Tokenizer.from_file(str(converted / "tokenizer.json")), **saved)
 
-        def field(name, default=None):
-            f = reader.fields.get(name)
+    @classmethod
+    def save_gguf(cls, path: Path, out_dir: Path) -> None:
+        """A GGUF file's tokenizer as from_gguf reads it from a conversion (loader.converted_gguf):
+        tokenizer.json, and the rest or why the tokenizer is not supported."""
+        from specinfer.loader import open_gguf
+
+        try:
+            tok = cls._read_gguf(open_gguf(path), path.name)
+        except ValueError as e:
+            saved = {"error": str(e)}
+        else:
+            tok.tokenizer.save(str(out_dir / "tokenizer.json"))
+            saved = {"bos_token": tok.bos_token, "eos_token": tok.eos_token,
+                     "add_bos": tok.add_bos, "chat_template": tok.chat_template}  # fmt: skip
+        (out_dir / _GGUF_SAVED).write_text(json.dumps(saved))
+
+    @classmethod
+    def _read_gguf(cls, reader, name: str) -> TokenizerWrapper:
+        def field(key, default=None):
+            f = reader.fields.get(key)
             return default if f is None else f.contents()
 
         kind = field("tokenizer.ggml.model")
         if kind != "gpt2":
             raise ValueError(
-                f"{path.name}: tokenizer type {kind!r} is not supported (supported: 'gpt2' byte-level BPE)"
+                f"{name}: tokenizer type {kind!r} is not supported (supported: 'gpt2' byte-level BPE)"
             )
         tokens = field("tokenizer.ggml.tokens")
         merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges")]
