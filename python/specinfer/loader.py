@@ -202,7 +202,8 @@ def _read_gguf(path: Path) -> tuple[ModelConfig, Callable[[], Iterator], int]:
 # tensors as float32 safetensors, the config, the tokenizer) to a directory of the cache, and
 # later loads read that (~0.7 s). $SPECINFER_GGUF_CACHE: that directory's parent ("0": off);
 # default $SPECINFER_CACHE/gguf. A conversion is redone when the file or the code that converts
-# it changes, and replaces the file's older conversions.
+# it changes, and replaces the older conversions of files of its name (a file elsewhere of the
+# same name is then converted again when it is next loaded: the cache keeps one per name).
 _CONVERTER_SOURCES = ("loader.py", "tokenizer.py", "models/config.py")
 _TENSORS = "tensors.safetensors"
 
@@ -243,7 +244,7 @@ def _convert_gguf(path: Path, out: Path) -> None:
         (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(config)))
         TokenizerWrapper.save_gguf(path, tmp)
         for old in out.parent.glob(f"{glob.escape(path.stem)}-*"):
-            if len(old.name) == len(out.name) and old != out:  # this file's earlier conversion
+            if len(old.name) == len(out.name) and old != out:  # an earlier one of this name
                 shutil.rmtree(old, ignore_errors=True)
         try:
             tmp.rename(out)
