@@ -320,3 +320,17 @@ def test_a_cache_that_cannot_be_written_leaves_the_gguf_file_read_directly(tmp_p
     monkeypatch.setenv("SPECINFER_GGUF_CACHE", "0")
     assert _same_weights(model, load_model(path))
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no leftovers
+
+
+def test_a_gguf_file_too_large_to_convert_is_read_directly(tmp_path, monkeypatch):
+    import specinfer.loader as loader
+
+    path, cache = tmp_path / "m.gguf", tmp_path / "cache"
+    write_gguf(path, tiny_llama(), Q.Q4_0)
+    monkeypatch.setenv("SPECINFER_GGUF_CACHE", str(cache))
+    weights = 4 * sum(p.numel() for p in tiny_llama().parameters())
+    monkeypatch.setattr(loader, "MAX_CONVERTED_BYTES", weights // 2)
+    model = load_model(path)
+    assert not cache.exists()
+    monkeypatch.setattr(loader, "MAX_CONVERTED_BYTES", weights)
+    assert _same_weights(model, load_model(path)) and len(list(cache.iterdir())) == 1

@@ -206,6 +206,9 @@ def _read_gguf(path: Path) -> tuple[ModelConfig, Callable[[], Iterator], int]:
 # same name is then converted again when it is next loaded: the cache keeps one per name).
 _CONVERTER_SOURCES = ("loader.py", "tokenizer.py", "models/config.py")
 _TENSORS = "tensors.safetensors"
+# A conversion holds 4 bytes a weight: a larger model (a 7B one would take 28 GB) is read from
+# its file at every load, as before.
+MAX_CONVERTED_BYTES = 4 << 30
 
 
 def converted_gguf(path: str | Path) -> Path | None:
@@ -223,6 +226,8 @@ def converted_gguf(path: str | Path) -> Path | None:
     out = root / f"{path.stem}-{key.hexdigest()[:16]}"
     if out.is_dir():  # a conversion appears whole (renamed into place)
         return out
+    if 4 * sum(int(t.n_elements) for t in open_gguf(path).tensors) > MAX_CONVERTED_BYTES:
+        return None
     try:
         _convert_gguf(path, out)
     except OSError as e:
