@@ -334,3 +334,23 @@ def test_a_gguf_file_too_large_to_convert_is_read_directly(tmp_path, monkeypatch
     assert not cache.exists()
     monkeypatch.setattr(loader, "MAX_CONVERTED_BYTES", weights)
     assert _same_weights(model, load_model(path)) and len(list(cache.iterdir())) == 1
+
+
+def test_a_half_written_conversion_is_removed_once_a_day_old(tmp_path, monkeypatch):
+    import os
+    import time
+
+    path, cache = tmp_path / "m.gguf", tmp_path / "cache"
+    write_gguf(path, tiny_llama(), Q.F32)
+    monkeypatch.setenv("SPECINFER_GGUF_CACHE", str(cache))
+    old, young = cache / ".m-0123456789abcdef-ab12cd_4", cache / ".m-0123456789abcdef-ef56gh78"
+    other = cache / ".not-a-conversion"  # never ours to remove, however old
+    for partial in (old, young, other):
+        partial.mkdir(parents=True)
+        (partial / "tensors.safetensors").write_bytes(b"half")
+    two_days_ago = time.time() - 2 * 24 * 3600
+    for partial in (old, other):
+        os.utime(partial, (two_days_ago, two_days_ago))
+    load_model(path)
+    assert young.is_dir() and other.is_dir() and not old.exists()
+    assert len([p for p in cache.iterdir() if not p.name.startswith(".")]) == 1

@@ -8,8 +8,10 @@ import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
+import time
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -209,6 +211,8 @@ _TENSORS = "tensors.safetensors"
 # A conversion holds 4 bytes a weight: a larger model (a 7B one would take 28 GB) is read from
 # its file at every load, as before.
 MAX_CONVERTED_BYTES = 4 << 30
+STALE_PARTIAL_S = 24 * 3600  # a half-written conversion (its process was killed) goes after a day
+_PARTIAL = re.compile(r"\..+-[0-9a-f]{16}-[a-z0-9_]{8}")  # ".<conversion>-" + mkdtemp's suffix
 
 
 def converted_gguf(path: str | Path) -> Path | None:
@@ -241,6 +245,10 @@ def _convert_gguf(path: Path, out: Path) -> None:
     from specinfer.tokenizer import TokenizerWrapper
 
     out.parent.mkdir(parents=True, exist_ok=True)
+    for partial in out.parent.glob(".*"):  # conversions left half-written by killed processes
+        stale = time.time() - partial.stat().st_mtime > STALE_PARTIAL_S
+        if stale and _PARTIAL.fullmatch(partial.name):
+            shutil.rmtree(partial, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
         config, tensors, total = _read_gguf(path)
