@@ -224,9 +224,8 @@ def converted_gguf(path: str | Path) -> Path | None:
     root = Path(setting) if setting else cache_dir() / "gguf"
     path = Path(path).resolve()
     stat = path.stat()
-    key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
-    for name in _CONVERTER_SOURCES:
-        key.update((Path(__file__).parent / name).read_bytes())
+    key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+    key.update(_converter_digest())
     out = root / f"{path.stem}-{key.hexdigest()[:16]}"
     if out.is_dir():  # a conversion appears whole (renamed into place)
         return out
@@ -239,6 +238,13 @@ def converted_gguf(path: str | Path) -> Path | None:
         warnings.warn(message, stacklevel=2)
         return None
     return out
+
+
+@functools.cache
+def _converter_digest() -> bytes:
+    """The converting code's hash: read once a process (a model and its tokenizer both ask)."""
+    sources = (Path(__file__).parent / name for name in _CONVERTER_SOURCES)
+    return hashlib.sha256(b"".join(f.read_bytes() for f in sources)).digest()
 
 
 def _convert_gguf(path: Path, out: Path) -> None:
