@@ -1,6 +1,7 @@
 """The suffix drafter: continuations of the context's longest suffix in earlier requests."""
 
 import gc
+import gzip
 import json
 import random
 from collections import Counter
@@ -9,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from specinfer import Engine, SamplingParams
-from specinfer.suffix import History, SuffixConfig, SuffixDrafter
+from specinfer.default_model import DEFAULT_CORPUS
+from specinfer.suffix import History, SuffixConfig, SuffixDrafter, read_corpus
 from test_speculative import (  # noqa: F401 (tiny_pair, counted_seeds are fixtures)
     PARAMS,
     PROMPT,
@@ -71,6 +73,14 @@ def test_the_tree_branches_where_the_continuations_split_at_any_depth():
                                                        (0, 5, 1 / 4)]  # fmt: skip
 
 
+def test_a_chain_follows_the_most_worthy_path_alone():
+    history = History(max_n=2, capacity=1000)
+    for seq in ([1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 3, 5], [1, 2, 6]):
+        history.add(seq)
+    assert history.tree([1, 2], depth=4, nodes=16, chain=True) == [(-1, 3, 3 / 5), (0, 5, 2 / 4)]
+    assert history.tree([1, 2], depth=4, nodes=1, chain=True) == [(-1, 3, 3 / 5)]
+
+
 def test_history_forgets_its_older_half_past_its_capacity():
     history = History(max_n=2, capacity=11)
     history.add([1, 2, 3])
@@ -96,12 +106,38 @@ def test_history_index_adds_no_objects_for_the_garbage_collector():
     assert len(gc.get_objects()) - before < 100  # ...but no container each
 
 
-def test_a_corpus_larger_than_the_history_is_refused(tmp_path):
+def test_a_corpus_is_kept_while_the_served_history_forgets_its_older_half(tmp_path):
     corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text("[1, 2, 3]\n[4, 5]\n")  # 7 tokens with the ends
-    with pytest.raises(ValueError, match=r"holds 7 tokens, more than history=6"):
-        SuffixDrafter(SuffixConfig(history=6, corpus=str(corpus)), vocab_size=10)
-    assert len(SuffixDrafter(SuffixConfig(history=7, corpus=str(corpus)), 10).history.tokens) == 7
+    corpus.write_text("[1, 2, 3]\n[4, 5]\n")
+    history = SuffixDrafter(SuffixConfig(max_n=2, history=7, corpus=str(corpus)), 10).history
+    history.add([6, 7, 8])
+    history.add([6, 9])  # 7 served tokens with their ends: within the history
+    assert history.tree([6], depth=1, nodes=4) == [(-1, 7, 1 / 3), (-1, 9, 1 / 3)]
+    history.add([6, 1])  # past it: the older served half ([6, 7, 8]) goes, the corpus stays
+    assert history.tree([6], depth=1, nodes=4) == [(-1, 9, 1 / 3), (-1, 1, 1 / 3)]
+    assert history.tree([1, 2], depth=2, nodes=4) == [(-1, 3, 1 / 2)]
+    assert history.tree([4], depth=2, nodes=4) == [(-1, 5, 1 / 2)]
+    assert list(history.tokens) == [1, 2, 3, -1, 4, 5, -1, 6, 9, -1, 6, 1, -1]
+
+
+@pytest.mark.parametrize("max_n, vocab", [(1, 3), (3, 3), (6, 4), (4, 50)])
+def test_a_corpus_indexed_at_once_drafts_as_if_added_a_sequence_at_a_time(max_n, vocab):
+    """The corpus's index (sorted at once) and the served one (grown per sequence) find the same
+    occurrences: the latest MATCHES of the longest suffix seen twice, across both."""
+    rng = random.Random(max_n * vocab)
+    corpus = [[rng.randrange(vocab) for _ in range(rng.randrange(40))] for _ in range(60)]
+    served = [[rng.randrange(vocab) for _ in range(rng.randrange(40))] for _ in range(8)]
+    one_by_one, indexed = History(max_n, 1 << 20), History(max_n, 1 << 20, corpus)
+    for seq in corpus + served:
+        one_by_one.add(seq)
+    for seq in served:
+        indexed.add(seq)
+    assert indexed.tokens == one_by_one.tokens
+    for _ in range(200):
+        context = [rng.randrange(vocab) for _ in range(rng.randint(1, 8))]
+        depth, nodes = rng.randint(1, 6), rng.randint(1, 20)
+        expected = one_by_one.tree(context, depth, nodes)
+        assert indexed.tree(context, depth, nodes) == expected, context
 
 
 def test_drafter_learns_from_requests_that_left_their_rows():
@@ -141,6 +177,21 @@ def test_bad_specs(tiny_pair, spec, message):  # noqa: F811
         Engine(tiny_pair[0], ssm=spec)
 
 
+def test_a_corpus_may_be_gzipped(tmp_path):
+    corpus = tmp_path / "answers.jsonl.gz"
+    corpus.write_bytes(gzip.compress(b"[1, 2, 3]\n\n[4, 5]\n"))
+    assert read_corpus(corpus, vocab_size=6) == [[1, 2, 3], [4, 5]]
+    with pytest.raises(ValueError, match=r"answers.jsonl.gz:3: .*vocab"):
+        read_corpus(corpus, vocab_size=5)
+
+
+def test_the_shipped_corpus_is_the_default_models_answers(tiny_pair):  # noqa: F811
+    with pytest.raises(ValueError, match=r'"suffix:corpus=default" is the corpus of answers of'):
+        Engine(tiny_pair[0], ssm="suffix:corpus=default")
+    corpus = read_corpus(DEFAULT_CORPUS, vocab_size=49152)
+    assert len(corpus) >= 1000 and all(len(seq) > 10 for seq in corpus)
+
+
 @pytest.mark.parametrize(
     "line, message", [("[1, 2, x]", "not JSON"), ('{"a": 1}', "a JSON list"), ("[1, 99]", "vocab")]
 )
@@ -157,11 +208,12 @@ def test_greedy_with_suffix_drafts_equals_incremental(tiny_pair):  # noqa: F811
     prompts = [PROMPT, [5, 5, 1, 0, 2], PROMPT, [2, 3], [5, 5, 1, 0, 2], PROMPT]
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     reference = Engine(target, dtype="float32").generate(prompts, params)
-    for ssm in (["suffix"], [other, "ngram", "suffix:max_n=3,depth=4,nodes=6"]):
+    for ssm, mode in ((["suffix"], None), (["suffix"], "sequence"),
+                      ([other, "ngram", "suffix:max_n=3,depth=4,nodes=6"], None)):  # fmt: skip
         engine = Engine(target, dtype="float32", ssm=ssm, tree="2,1", max_batch_size=2,
-                        adaptive_tree=False)  # fmt: skip
+                        adaptive_tree=False, mode=mode)  # fmt: skip
         outs = engine.generate(prompts, params)
-        assert [o.token_ids for o in outs] == [r.token_ids for r in reference], ssm
+        assert [o.token_ids for o in outs] == [r.token_ids for r in reference], (ssm, mode)
         suffix = [o.metrics["per_ssm"][-1] for o in outs]
         assert all(s["name"].startswith("suffix") for s in suffix)
         assert sum(s["accepted"] for s in suffix[2:]) > 0  # it drafted, and was right

@@ -99,20 +99,31 @@ def ships_an_ssm(model: str | Path | None) -> bool:
 DEFAULT_FEATURE_DIR = Path(__file__).parent / "default_feature_head"
 
 
+# The default model's own greedy answers to the training prompts, shipped for the suffix drafter
+# to start from: ssm="suffix:corpus=default".
+DEFAULT_CORPUS = Path(__file__).parent / "default_corpus" / "answers.jsonl.gz"
+
+
 def default_ssm_path(target_path: Path) -> Path:
-    return _shipped(target_path, DEFAULT_SSM_DIR, "default", "the SSM distilled from")
+    return _shipped(target_path, DEFAULT_SSM_DIR / "config.json", "default", "the SSM distilled from",
+                    "needs its own (see `specinfer train-ssm`), or layers:L / ngram").parent  # fmt: skip
 
 
 def default_feature_path(target_path: Path) -> Path:
-    return _shipped(target_path, DEFAULT_FEATURE_DIR, "feature", "the feature head trained for")
+    return _shipped(target_path, DEFAULT_FEATURE_DIR / "config.json", "feature",
+                    "the feature head trained for",
+                    "needs its own (see `specinfer train-ssm`), or layers:L / ngram").parent  # fmt: skip
 
 
-def _shipped(target_path: Path, directory: Path, spec: str, what: str) -> Path:
+def default_corpus_path(target_path: Path) -> Path:
+    return _shipped(target_path, DEFAULT_CORPUS, "suffix:corpus=default",
+                    "the corpus of answers of",
+                    "needs its own (see benchmarks/make_suffix_corpus.py)")  # fmt: skip
+
+
+def _shipped(target_path: Path, file: Path, spec: str, what: str, otherwise: str) -> Path:
     if target_path.name != GGUF_NAME:
-        raise ValueError(
-            f'ssm="{spec}" is {what} {GGUF_NAME}; {target_path.name} needs its own (see '
-            "`specinfer train-ssm`), or layers:L / ngram"
-        )
-    if not (directory / "config.json").is_file():
-        raise FileNotFoundError(f'ssm="{spec}" is missing from this installation: {directory}')
-    return directory
+        raise ValueError(f'ssm="{spec}" is {what} {GGUF_NAME}; {target_path.name} {otherwise}')
+    if not file.is_file():
+        raise FileNotFoundError(f'ssm="{spec}" is missing from this installation: {file}')
+    return file

@@ -17,7 +17,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specinfer.default_model import DEFAULT_SSM_TREE, default_feature_path, default_ssm_path
+from specinfer.default_model import (
+    DEFAULT_SSM_TREE,
+    default_corpus_path,
+    default_feature_path,
+    default_ssm_path,
+)
 from specinfer.layers import pack_linears
 from specinfer.ngram import NgramConfig, NgramDrafter
 from specinfer.speculator import Speculator, load_speculator, parse_layers
@@ -181,7 +186,7 @@ def build_drafter(specs, trees, target: nn.Module, target_path: Path, dtype, dev
                     f"{spec!r} takes its shape from its spec (e.g. ngram:depth=5,branches=2), "
                     "not a tree config: give None at its place in the tree list"
                 )
-            ssms.append(_lookup_drafter(spec, chains, target.config.vocab_size))
+            ssms.append(_lookup_drafter(spec, chains, target.config.vocab_size, target_path))
             continue
         grows = sized and tree is None and not chains
         if spec == "default":
@@ -257,11 +262,14 @@ def is_lookup_spec(spec) -> bool:
     return isinstance(spec, str) and spec.partition(":")[0] in ("ngram", "suffix")
 
 
-def _lookup_drafter(spec: str, chains: bool, vocab_size: int) -> NgramDrafter | SuffixDrafter:
-    """Sequence mode (`chains`) takes one branch of each."""
+def _lookup_drafter(spec: str, chains: bool, vocab_size: int,
+                    target_path: Path) -> NgramDrafter | SuffixDrafter:  # fmt: skip
+    """Sequence mode (`chains`) takes one branch of each. A suffix drafter's corpus "default" is
+    the one shipped for the default model."""
     if spec.partition(":")[0] == "suffix":
         config = SuffixConfig.parse(spec)
-        config = replace(config, branches=1) if chains else config
-        return SuffixDrafter(config, vocab_size, name=spec)
+        if config.corpus == "default":
+            config = replace(config, corpus=str(default_corpus_path(target_path)))
+        return SuffixDrafter(config, vocab_size, name=spec, chains=chains)
     config = NgramConfig.parse(spec)
     return NgramDrafter(replace(config, branches=1) if chains else config, name=spec)

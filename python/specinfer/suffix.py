@@ -16,28 +16,35 @@ requests, so a seeded sampling request, whose seed must reproduce its output wha
 served before, gets no suffix drafts.
 
 History is bounded: drafting follows an n-gram's latest MATCHES occurrences, and past
-`history` tokens the older half is forgotten. The index holds no container per n-gram (each
-n-gram maps to its latest position, each position links to the one before with the same n-gram,
-in one array per n): Python's garbage collector walks every list it tracks, and with a list per
-n-gram a 318k-token corpus made 0.6M of them, so each full collection stalled the step it fell in
-by 0.2-0.3 s (a suffix drafter timed in such a step looked 90 ms slow and was stopped for good).
-It can start from a corpus: a file of the target's token sequences, one JSON list of ids a
-line (e.g. its own answers to prompts like those it will serve; benchmarks/make_suffix_corpus.py
-writes one). Spec strings: "suffix", or "suffix:" followed by key=value pairs from max_n, depth,
-nodes, history, corpus, e.g. "suffix:max_n=4,depth=6,corpus=answers.jsonl".
+`history` served tokens the older half of them is forgotten. The served index holds no container
+per n-gram (each n-gram maps to its latest position, each position links to the one before with
+the same n-gram, in one array per n): Python's garbage collector walks every list it tracks, and
+with a list per n-gram a 318k-token corpus made 0.6M of them, so each full collection stalled the
+step it fell in by 0.2-0.3 s (a suffix drafter timed in such a step looked 90 ms slow and was
+stopped for good).
+
+It can start from a corpus: a file of the target's token sequences, one JSON list of ids a line
+(e.g. its own answers to prompts like those it will serve; benchmarks/make_suffix_corpus.py
+writes one), gzip-compressed if its name ends in .gz. A corpus is indexed at once (`Corpus`) and
+kept whatever `history` is. Spec strings: "suffix", or "suffix:" followed by key=value pairs
+from max_n, depth, nodes, history, corpus, e.g. "suffix:max_n=4,depth=6,corpus=answers.jsonl".
 """
 
 from __future__ import annotations
 
 import copy
+import gzip
 import heapq
 import json
 from array import array
+from bisect import bisect_left, bisect_right
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import count
 from pathlib import Path
+
+import numpy as np
 
 from specinfer.budget import must_draft
 from specinfer.ngram import parse_options, require_positive
@@ -52,8 +59,8 @@ class SuffixConfig:
     max_n: int = 6
     depth: int = 8
     nodes: int = 16  # the tree's size, root not counted
-    history: int = 1 << 19  # tokens remembered (the index takes ~0.35 KB a token)
-    corpus: str = ""  # a file of token sequences the history starts with
+    history: int = 1 << 19  # served tokens remembered (their index takes ~0.35 KB a token)
+    corpus: str = ""  # a file of token sequences the history starts with (always kept)
 
     def __post_init__(self):
         require_positive(self, "suffix", ["max_n", "depth", "nodes", "history"])
@@ -68,18 +75,22 @@ class SuffixConfig:
 
 
 class History:
-    """Sequences one after another with END between them, and per n-gram its occurrences: the
-    positions of the tokens after it, as a chain from the latest back."""
+    """Sequences one after another with END between them: a corpus indexed once (`Corpus`), then
+    the served ones, indexed as they come: per n-gram the positions of the tokens after it, as
+    a chain from the latest back."""
 
-    def __init__(self, max_n: int, capacity: int):
+    def __init__(self, max_n: int, capacity: int, corpus: list[list[int]] = ()):
         self.max_n, self.capacity = max_n, capacity
-        self.tokens = array("i")
-        self.latest: dict[tuple[int, ...], int] = {}  # n-gram -> its latest position
-        # before[n - 1][p]: the position before p after the same n-gram of n tokens (-1: none)
+        self.corpus = Corpus(corpus, max_n)
+        self.tokens = array("i", self.corpus.tokens.tobytes())
+        self.start = len(self.tokens)  # the first served position
+        self.latest: dict[tuple[int, ...], int] = {}  # n-gram -> its latest served position
+        # before[n - 1][p - start]: the served position before p after the same n-gram of n
+        # tokens (-1: none)
         self.before = [array("i") for _ in range(max_n)]
 
     def add(self, seq: list[int]) -> None:
-        if len(self.tokens) + len(seq) + 1 > self.capacity:
+        if len(self.tokens) - self.start + len(seq) + 1 > self.capacity:
             self._forget_older_half()
         base = len(self.tokens)
         self.tokens.extend(seq)
@@ -95,13 +106,16 @@ class History:
         for before in self.before:  # END: no n-gram is followed by it
             before.append(-1)
 
-    def _occurrences(self, key: tuple[int, ...]) -> list[int]:
-        """The positions after `key`'s latest MATCHES occurrences, oldest first."""
+    def _occurrences(self, key: tuple[int, ...], run: tuple[int, int] | None) -> list[int]:
+        """The positions after `key`'s latest MATCHES occurrences, oldest first: served ones,
+        then the corpus's (its `run`, None if it has none) while fewer than MATCHES."""
         before, found = self.before[len(key) - 1], []
         p = self.latest.get(key, -1)
         while p >= 0 and len(found) < MATCHES:
             found.append(p)
-            p = before[p]
+            p = before[p - self.start]
+        if run is not None and len(found) < MATCHES:
+            return self.corpus.latest(run, MATCHES - len(found)) + found[::-1]
         return found[::-1]
 
     def _longest_match(self, context: list[int]) -> list[int]:
@@ -109,20 +123,23 @@ class History:
         the longest seen once: one earlier occurrence of a long n-gram says less than several of
         a shorter one (n-gram + suffix on the 60 held-out prompts: 2.53 tokens a step against
         2.48 taking the longest seen once, bench_spec.py --sections paired)."""
+        runs = self.corpus.runs(context)
         once: list[int] = []
         for n in range(min(self.max_n, len(context)), 0, -1):
-            found = self._occurrences(tuple(context[-n:]))
+            found = self._occurrences(tuple(context[-n:]), runs[n - 1] if n <= len(runs) else None)
             if len(found) >= 2:
                 return found
             once = once or found
         return once
 
     def _forget_older_half(self) -> None:
-        cut = max(1, len(self.tokens) // 2)
+        """Of the served sequences; the corpus stays."""
+        cut = self.start + max(1, (len(self.tokens) - self.start) // 2)
         while cut < len(self.tokens) and self.tokens[cut - 1] != END:  # at a sequence's start
             cut += 1
         kept = self.tokens[cut:]
-        self.tokens, self.latest = array("i"), {}
+        del self.tokens[self.start :]
+        self.latest = {}
         self.before = [array("i") for _ in range(self.max_n)]
         start = 0
         for i, token in enumerate(kept):
@@ -130,11 +147,13 @@ class History:
                 self.add(kept[start:i].tolist())
                 start = i + 1
 
-    def tree(self, context: list[int], depth: int, nodes: int) -> list[tuple[int, int, float]]:
+    def tree(self, context: list[int], depth: int, nodes: int,
+             chain: bool = False) -> list[tuple[int, int, float]]:  # fmt: skip
         """What followed the suffix of `context` `_longest_match` finds, as a tree of up to `nodes`
         nodes, up to `depth` deep, grown best first: per node (its parent's index in the list,
         -1 for the root; its token; its share of the occurrences its parent's path kept, the
-        drafter's confidence), parents first, a node's children most worthy first."""
+        drafter's confidence), parents first, a node's children most worthy first. `chain`:
+        the most worthy path alone (sequence mode)."""
         positions = self._longest_match(context)
         if not positions:
             return []
@@ -153,6 +172,8 @@ class History:
         offer(-1, positions, 0, 1.0)
         while frontier and len(out) < nodes:
             worth, _, parent, token, share, alive, offset = heapq.heappop(frontier)
+            if chain:  # the most worthy path only
+                frontier.clear()
             out.append((parent, token, share))
             if offset + 1 < depth:
                 kept = [p for p in alive if self.tokens[p + offset] == token]
@@ -166,6 +187,57 @@ def _share(count: int, total: int) -> float:
     return count / (total + 1)
 
 
+class Corpus:
+    """A corpus's n-gram occurrences, indexed at once (numpy, ~0.1 s for 300k tokens where adding
+    them one n-gram at a time took ~4 s): its positions that a token fills, sorted by the up to
+    max_n tokens before each, the nearest first (a suffix array of the reversed text, cut at
+    max_n), then by position. So the occurrences of any n-gram of up to max_n tokens are one run
+    of that order, and each further token of context narrows the run by a binary search. Never
+    changes once built."""
+
+    def __init__(self, seqs: list[list[int]], max_n: int):
+        self.max_n = max_n
+        tokens = np.full(max_n + sum(len(s) + 1 for s in seqs), END, dtype=np.int32)
+        at = max_n  # max_n ENDs in front: every position has max_n tokens before it
+        for seq in seqs:
+            tokens[at : at + len(seq)] = seq
+            at += len(seq) + 1
+        self.padded = tokens
+        filled = np.flatnonzero(tokens != END)
+        before = [tokens[filled - k] for k in range(max_n, 0, -1)]  # lexsort: last key first
+        self.order = filled[np.lexsort(before)]  # stable: a run's positions ascend
+        # keys[n - 1][i]: the n-th token before order[i]; sorted within each run of the n - 1
+        # before it, so a run narrows by binary search on a slice (no gather)
+        self.keys = [array("i", tokens[self.order - n].tobytes()) for n in range(1, max_n + 1)]
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self.padded[self.max_n :]
+
+    def __deepcopy__(self, memo):
+        return self  # immutable
+
+    def runs(self, context: list[int]) -> list[tuple[int, int]]:
+        """Per n from 1: the run of `order` whose positions follow `context`'s last n tokens,
+        while there is one."""
+        runs = []
+        lo, hi = 0, len(self.order)
+        for n in range(1, min(self.max_n, len(context)) + 1):
+            keys, token = self.keys[n - 1], context[-n]
+            lo, hi = bisect_left(keys, token, lo, hi), bisect_right(keys, token, lo, hi)
+            if lo == hi:
+                break
+            runs.append((lo, hi))
+        return runs
+
+    def latest(self, run: tuple[int, int], k: int) -> list[int]:
+        """The run's latest k positions (in the history's numbering), oldest first."""
+        positions = self.order[run[0] : run[1]]
+        if len(positions) > k:
+            positions = np.partition(positions, len(positions) - k)[len(positions) - k :]
+        return (np.sort(positions) - self.max_n).tolist()
+
+
 class SuffixDrafter:
     """Drafts from the engine's earlier requests; same draft/commit interface as the Speculator.
     The history outlives batches: it is the engine's, not a request's."""
@@ -173,18 +245,13 @@ class SuffixDrafter:
     samples_children = False  # point masses
     sized = False  # its depth comes from its config, not from the budget
 
-    def __init__(self, config: SuffixConfig, vocab_size: int, name: str = "suffix"):
+    def __init__(self, config: SuffixConfig, vocab_size: int, name: str = "suffix",
+                 chains: bool = False):  # fmt: skip
         self.config = config
+        self.chains = chains  # sequence mode: one path, not a tree
         self.name = name
-        self.history = History(config.max_n, config.history)
-        if config.corpus:
-            corpus = read_corpus(config.corpus, vocab_size)
-            size = sum(len(seq) + 1 for seq in corpus)  # each with its END
-            if size > config.history:  # it would forget half of it before serving anything
-                raise ValueError(f"suffix corpus {config.corpus} holds {size} tokens, more than "
-                                 f"history={config.history}: pass a larger history")  # fmt: skip
-            for seq in corpus:
-                self.history.add(seq)
+        corpus = read_corpus(config.corpus, vocab_size) if config.corpus else []
+        self.history = History(config.max_n, config.history, corpus)
         self.rows: list[list[int]] = []  # per row: the tokens of the request on it, as last seen
 
     @property
@@ -217,7 +284,8 @@ class SuffixDrafter:
             depth = min(self.config.depth, max_depth)
             if depth > 0 and not must_draft(r.params):
                 ids = []
-                for parent, token, share in self.history.tree(seq, depth, self.config.nodes):
+                found = self.history.tree(seq, depth, self.config.nodes, chain=self.chains)
+                for parent, token, share in found:
                     ids.append(tree.propose_once(ids[parent] if parent >= 0 else 0, token, share))
             trees.append(tree)
         return trees
@@ -235,12 +303,15 @@ class SuffixDrafter:
 
 
 def read_corpus(path: str | Path, vocab_size: int) -> list[list[int]]:
-    """Token sequences, one JSON list of ids (in the target's vocabulary) a line."""
+    """Token sequences, one JSON list of ids (in the target's vocabulary) a line; gzip-compressed
+    if the name ends in .gz."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"suffix corpus not found: {path}")
+    data = path.read_bytes()
+    text = (gzip.decompress(data) if path.suffix == ".gz" else data).decode()
     seqs = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
