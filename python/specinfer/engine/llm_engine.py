@@ -70,9 +70,12 @@ class Engine:
     ):
         """mode: "incremental" (no SSM), "sequence" (chains as deep as the trees) or "tree"
         (default when an SSM is given). ssm: a model path sharing the target's tokenizer, an
-        int L / "layers:L" for the target's first L layers, "ngram[:key=value,...]" for prompt
-        lookup, or a list of these: their trees are merged into one. tree: one config for all
-        model SSMs or a list per SSM (None at n-gram entries). ssm_head: N restricts the model
+        int L / "layers:L" for the target's first L layers, "default" / "feature" for the SSM /
+        feature head shipped for the default model ("feature:PATH" for another feature head),
+        "ngram[:key=value,...]" for prompt lookup, "suffix[:key=value,...]" for continuations
+        of earlier requests (corpus=default: the default model's shipped answers), or a list of
+        these: their trees are merged into one. tree: one config for all model SSMs or a list
+        per SSM (None at n-gram and suffix entries). ssm_head: N restricts the model
         SSMs' LM head to N tokens (see drafting.head_token_ids; 0 = full head). ssm_int8: the
         model SSMs draft through 8-bit copies of their own weights and restricted LM head
         (ops.linear_int8): half the bytes each drafting call streams, and still lossless, since
