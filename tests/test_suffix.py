@@ -120,13 +120,17 @@ def test_a_corpus_is_kept_while_the_served_history_forgets_its_older_half(tmp_pa
     assert list(history.tokens) == [1, 2, 3, -1, 4, 5, -1, 6, 9, -1, 6, 1, -1]
 
 
-@pytest.mark.parametrize("max_n, vocab", [(1, 3), (3, 3), (6, 4), (4, 50)])
-def test_a_corpus_indexed_at_once_drafts_as_if_added_a_sequence_at_a_time(max_n, vocab):
-    """The corpus's index (sorted at once) and the served one (grown per sequence) find the same
-    occurrences: the latest MATCHES of the longest suffix seen twice, across both."""
-    rng = random.Random(max_n * vocab)
-    corpus = [[rng.randrange(vocab) for _ in range(rng.randrange(40))] for _ in range(60)]
-    served = [[rng.randrange(vocab) for _ in range(rng.randrange(40))] for _ in range(8)]
+@pytest.mark.parametrize(
+    "max_n, alphabet",
+    [(1, range(3)), (3, range(3)), (6, range(4)), (4, range(50)), (3, [5, 65535, 70000])],
+)
+def test_a_corpus_indexed_at_once_drafts_as_if_added_a_sequence_at_a_time(max_n, alphabet):
+    """The corpus's index (sorted at once; by 16-bit keys where the ids fit) and the served one
+    (grown per sequence) find the same occurrences: the latest MATCHES of the longest suffix seen
+    twice, across both."""
+    rng = random.Random(max_n * len(alphabet))
+    corpus = [rng.choices(alphabet, k=rng.randrange(40)) for _ in range(60)]
+    served = [rng.choices(alphabet, k=rng.randrange(40)) for _ in range(8)]
     one_by_one, indexed = History(max_n, 1 << 20), History(max_n, 1 << 20, corpus)
     for seq in corpus + served:
         one_by_one.add(seq)
@@ -134,7 +138,7 @@ def test_a_corpus_indexed_at_once_drafts_as_if_added_a_sequence_at_a_time(max_n,
         indexed.add(seq)
     assert indexed.tokens == one_by_one.tokens
     for _ in range(200):
-        context = [rng.randrange(vocab) for _ in range(rng.randint(1, 8))]
+        context = rng.choices(alphabet, k=rng.randint(1, 8))
         depth, nodes = rng.randint(1, 6), rng.randint(1, 20)
         expected = one_by_one.tree(context, depth, nodes)
         assert indexed.tree(context, depth, nodes) == expected, context

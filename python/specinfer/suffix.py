@@ -188,8 +188,8 @@ def _share(count: int, total: int) -> float:
 
 
 class Corpus:
-    """A corpus's n-gram occurrences, indexed at once (numpy, ~0.1 s for 300k tokens where adding
-    them one n-gram at a time took ~4 s): its positions that a token fills, sorted by the up to
+    """A corpus's n-gram occurrences, indexed at once (numpy: ~0.15 s for the default corpus's
+    536k tokens, which took ~4 s added one n-gram at a time): its positions that a token fills, sorted by the up to
     max_n tokens before each, the nearest first (a suffix array of the reversed text, cut at
     max_n), then by position. So the occurrences of any n-gram of up to max_n tokens are one run
     of that order, and each further token of context narrows the run by a binary search. Never
@@ -197,15 +197,16 @@ class Corpus:
 
     def __init__(self, seqs: list[list[int]], max_n: int):
         self.max_n = max_n
-        tokens = np.full(max_n + sum(len(s) + 1 for s in seqs), END, dtype=np.int32)
-        at = max_n  # max_n ENDs in front: every position has max_n tokens before it
+        flat = [END] * max_n  # max_n ENDs in front: every position has max_n tokens before it
         for seq in seqs:
-            tokens[at : at + len(seq)] = seq
-            at += len(seq) + 1
-        self.padded = tokens
+            flat += seq
+            flat.append(END)
+        tokens = self.padded = np.array(flat, dtype=np.int32)
         filled = np.flatnonzero(tokens != END)
-        before = [tokens[filled - k] for k in range(max_n, 0, -1)]  # lexsort: last key first
-        self.order = filled[np.lexsort(before)]  # stable: a run's positions ascend
+        # 16-bit keys where the tokens fit (END + 1 = 0): numpy sorts those by radix, ~4x faster
+        dtype = np.uint16 if tokens.max() + 1 < 1 << 16 else np.int32
+        before = [(tokens[filled - k] + 1).astype(dtype) for k in range(max_n, 0, -1)]
+        self.order = filled[np.lexsort(before)]  # lexsort: last key first; stable
         # keys[n - 1][i]: the n-th token before order[i]; sorted within each run of the n - 1
         # before it, so a run narrows by binary search on a slice (no gather)
         self.keys = [array("i", tokens[self.order - n].tobytes()) for n in range(1, max_n + 1)]
@@ -310,7 +311,7 @@ def read_corpus(path: str | Path, vocab_size: int) -> list[list[int]]:
         raise FileNotFoundError(f"suffix corpus not found: {path}")
     data = path.read_bytes()
     text = (gzip.decompress(data) if path.suffix == ".gz" else data).decode()
-    seqs = []
+    seqs, numbers = [], []
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -318,9 +319,11 @@ def read_corpus(path: str | Path, vocab_size: int) -> list[list[int]]:
             seq = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{number}: not JSON ({e})") from None
-        if not isinstance(seq, list) or not all(isinstance(t, int) for t in seq):
+        if not isinstance(seq, list) or not all(type(t) is int for t in seq):
             raise ValueError(f"{path}:{number}: expected a JSON list of token ids")
-        if not all(0 <= t < vocab_size for t in seq):
-            raise ValueError(f"{path}:{number}: token ids outside the vocabulary [0, {vocab_size})")
         seqs.append(seq)
+        numbers.append(number)
+    for seq, number in zip(seqs, numbers):
+        if seq and (min(seq) < 0 or max(seq) >= vocab_size):
+            raise ValueError(f"{path}:{number}: token ids outside the vocabulary [0, {vocab_size})")
     return seqs
