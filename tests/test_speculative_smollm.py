@@ -179,8 +179,11 @@ def test_generate_speculates_by_default(smollm_gguf, capsys, ssm):
     assert main(args + ssm + ["--stats"]) == 0
     speculative = capsys.readouterr()
     assert "ngram:" in speculative.err  # per-SSM statistics: the n-gram drafter drafted
-    # The default model drafts with its shipped SSM too, asked for or not.
+    # The default model drafts with its shipped SSM too, asked for or not, and by default with
+    # the suffix drafter from its shipped corpus.
     assert ("default_ssm:" in speculative.err) == (smollm_gguf.name == GGUF_NAME)
+    default_corpus = smollm_gguf.name == GGUF_NAME and not ssm
+    assert ("suffix:corpus=default:" in speculative.err) == default_corpus
     assert main(args + ["--mode", "incremental"]) == 0
     assert capsys.readouterr().out == speculative.out
     assert main(args + ssm + ["--whole-trees"]) == 0  # every drafted node verified

@@ -246,3 +246,15 @@ def test_sampling_with_suffix_drafts_matches_incremental_distribution(
     accepted = sum(o.metrics["per_ssm"][0]["accepted"] for o in outs)
     print(f"\naccepted suffix drafts: {accepted} in {SAMPLES} requests")
     assert accepted > SAMPLES // 4  # whole trees (no cut): 14072 in one run
+
+
+def test_dsi_with_suffix_drafts_equals_incremental(tiny_pair):  # noqa: F811
+    target = tiny_pair[0]
+    prompts = [PROMPT, [5, 5, 1, 0, 2], PROMPT, [5, 5, 1, 0, 2]]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    reference = Engine(target, dtype="float32").generate(prompts, params)
+    with Engine(target, dtype="float32", ssm=["suffix"], mode="dsi", target_servers=1,
+                lookahead=3) as engine:  # fmt: skip
+        outs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    assert sum(o.metrics["dsi"]["accepted"] for o in outs[2:]) > 0  # it drafted, and was right

@@ -51,9 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         help="speculative model: a model path, layers:L (the target's first L layers), default "
         "(the SSM shipped for the default model), feature (its feature head; feature:PATH for "
         "one trained with train-ssm --kind feature), or ngram[:max_n=3,min_n=3,depth=8,branches=1] "
-        "(prompt lookup), or suffix[:max_n=6,depth=8,nodes=16,corpus=PATH] (continuations from earlier "
-        "requests); repeat it to merge their trees. Default: default and ngram for the "
-        "default model, ngram for others (turn off with --mode incremental)",
+        "(prompt lookup), or suffix[:max_n=6,depth=8,nodes=16,corpus=PATH|default] (continuations "
+        "from earlier requests); repeat it to merge their trees. Default: default, ngram and "
+        "suffix:corpus=default for the default model, ngram for others (turn off with --mode "
+        "incremental)",
     )
     gen.add_argument(
         "--ssm-head",
@@ -198,8 +199,9 @@ def _add_serve_parser(sub) -> None:
         "--ssm",
         action="append",
         default=None,
-        help="speculative model(s), as for generate (default: default and ngram for the "
-        "default model, ngram for others; turn off with --mode incremental)",
+        help="speculative model(s), as for generate (default: default, ngram and "
+        "suffix:corpus=default for the default model, ngram for others; turn off with --mode "
+        "incremental)",
     )
     serve.add_argument("--ssm-head", type=int, default=None, help="as for generate")
     serve.add_argument("--no-ssm-int8", dest="ssm_int8", action="store_false", default=None,
@@ -282,15 +284,17 @@ def engine_from_args(args, **serving):
     """The Engine the model and speculation options describe (generate's and serve's), with
     `serving` knobs (max_batch_size, ...) on top."""
     from specinfer import Engine
-    from specinfer.default_model import ships_an_ssm
+    from specinfer.default_model import DEFAULT_DRAFTING, ships_an_ssm
 
     ssm = args.ssm
     if ssm is None and args.mode != "incremental":
-        # Measured (bf16, 2 threads, 60 held-out prompts, AMX VM,
-        # benchmarks/results/spec_paired_60_amx_int8_b1.json): the shipped SSM merged with prompt
-        # lookup 1.50x incremental, as the feature head with it; prompt lookup alone (the only
-        # drafter for other models) 1.06x on an older run (spec_paired.json).
-        ssm = ["default", "ngram"] if ships_an_ssm(args.model) else ["ngram"]
+        # Measured on the 60 held-out prompts (bf16, 2 threads, Zen 3 VM): the shipped SSM +
+        # prompt lookup + the suffix drafter from the shipped corpus 1.31x incremental at batch 1
+        # against 1.22x without the suffix drafter (spec_paired_60_zen3_shipped_corpus_ea535c2
+        # .json); served at concurrency 1 / 4 / 16 1.26x / 0.99x / 1.13x against 1.17x / 0.92x /
+        # 0.96x (serve_zen3_default_candidates_d1ca7ab.json). Prompt lookup alone (the only
+        # drafter for other models): 1.06x on an older run (spec_paired.json).
+        ssm = DEFAULT_DRAFTING if ships_an_ssm(args.model) else ["ngram"]
     return Engine(args.model, dtype=args.dtype, device=args.device, threads=args.threads,
                   ssm=ssm, tree=args.tree, mode=args.mode, ssm_head=args.ssm_head,
                   ssm_int8=args.ssm_int8, adaptive_tree=not args.whole_trees,

@@ -103,6 +103,9 @@ DEFAULT_FEATURE_DIR = Path(__file__).parent / "default_feature_head"
 # to start from: ssm="suffix:corpus=default".
 DEFAULT_CORPUS = Path(__file__).parent / "default_corpus" / "answers.jsonl.gz"
 
+# What `specinfer generate` / `serve` draft with for the default model when no --ssm is given.
+DEFAULT_DRAFTING = ("default", "ngram", "suffix:corpus=default")
+
 
 def default_ssm_path(target_path: Path) -> Path:
     return _shipped(target_path, DEFAULT_SSM_DIR / "config.json", "default", "the SSM distilled from",
