@@ -187,6 +187,9 @@ def test_a_corpus_may_be_gzipped(tmp_path):
     assert read_corpus(corpus, vocab_size=6) == [[1, 2, 3], [4, 5]]
     with pytest.raises(ValueError, match=r"answers.jsonl.gz:3: .*vocab"):
         read_corpus(corpus, vocab_size=5)
+    corpus.write_bytes(b"[1, 2, 3]\n")  # named .gz, not gzipped
+    with pytest.raises(ValueError, match=r"answers.jsonl.gz: not a corpus of JSON lines"):
+        read_corpus(corpus, vocab_size=6)
 
 
 def test_the_shipped_corpus_is_the_default_models_answers(tiny_pair):  # noqa: F811

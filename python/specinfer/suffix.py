@@ -189,11 +189,11 @@ def _share(count: int, total: int) -> float:
 
 class Corpus:
     """A corpus's n-gram occurrences, indexed at once (numpy: ~0.15 s for the default corpus's
-    536k tokens, which took ~4 s added one n-gram at a time): its positions that a token fills, sorted by the up to
-    max_n tokens before each, the nearest first (a suffix array of the reversed text, cut at
-    max_n), then by position. So the occurrences of any n-gram of up to max_n tokens are one run
-    of that order, and each further token of context narrows the run by a binary search. Never
-    changes once built."""
+    536k tokens, which took ~4 s added one n-gram at a time): its positions that a token fills,
+    sorted by the up to max_n tokens before each, the nearest first (a suffix array of the
+    reversed text, cut at max_n), then by position. So the occurrences of any n-gram of up to
+    max_n tokens are one run of that order, and each further token of context narrows the run
+    by a binary search. Never changes once built."""
 
     def __init__(self, seqs: list[list[int]], max_n: int):
         self.max_n = max_n
@@ -208,7 +208,7 @@ class Corpus:
         before = [(tokens[filled - k] + 1).astype(dtype) for k in range(max_n, 0, -1)]
         self.order = filled[np.lexsort(before)]  # lexsort: last key first; stable
         # keys[n - 1][i]: the n-th token before order[i]; sorted within each run of the n - 1
-        # before it, so a run narrows by binary search on a slice (no gather)
+        # before it, so a run narrows by binary search within it
         self.keys = [array("i", tokens[self.order - n].tobytes()) for n in range(1, max_n + 1)]
 
     @property
@@ -309,9 +309,12 @@ def read_corpus(path: str | Path, vocab_size: int) -> list[list[int]]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"suffix corpus not found: {path}")
-    data = path.read_bytes()
-    text = (gzip.decompress(data) if path.suffix == ".gz" else data).decode()
-    seqs, numbers = [], []
+    try:
+        data = path.read_bytes()
+        text = (gzip.decompress(data) if path.suffix == ".gz" else data).decode()
+    except (OSError, EOFError, UnicodeDecodeError) as e:  # a broken .gz, or not text
+        raise ValueError(f"{path}: not a corpus of JSON lines ({e})") from None
+    seqs = []
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -321,9 +324,7 @@ def read_corpus(path: str | Path, vocab_size: int) -> list[list[int]]:
             raise ValueError(f"{path}:{number}: not JSON ({e})") from None
         if not isinstance(seq, list) or not all(type(t) is int for t in seq):
             raise ValueError(f"{path}:{number}: expected a JSON list of token ids")
-        seqs.append(seq)
-        numbers.append(number)
-    for seq, number in zip(seqs, numbers):
         if seq and (min(seq) < 0 or max(seq) >= vocab_size):
             raise ValueError(f"{path}:{number}: token ids outside the vocabulary [0, {vocab_size})")
+        seqs.append(seq)
     return seqs
