@@ -108,23 +108,23 @@ DEFAULT_DRAFTING = ("default", "ngram", "suffix:corpus=default")
 
 
 def default_ssm_path(target_path: Path) -> Path:
-    return _shipped(target_path, DEFAULT_SSM_DIR / "config.json", "default", "the SSM distilled from",
-                    "needs its own (see `specinfer train-ssm`), or layers:L / ngram").parent  # fmt: skip
+    return _shipped(target_path, DEFAULT_SSM_DIR / "config.json", "default",
+                    "the SSM distilled from").parent  # fmt: skip
 
 
 def default_feature_path(target_path: Path) -> Path:
     return _shipped(target_path, DEFAULT_FEATURE_DIR / "config.json", "feature",
-                    "the feature head trained for",
-                    "needs its own (see `specinfer train-ssm`), or layers:L / ngram").parent  # fmt: skip
+                    "the feature head trained for").parent  # fmt: skip
 
 
 def default_corpus_path(target_path: Path) -> Path:
-    return _shipped(target_path, DEFAULT_CORPUS, "suffix:corpus=default",
-                    "the corpus of answers of",
+    return _shipped(target_path, DEFAULT_CORPUS, "suffix:corpus=default", "the corpus of answers of",
                     "needs its own (see benchmarks/make_suffix_corpus.py)")  # fmt: skip
 
 
-def _shipped(target_path: Path, file: Path, spec: str, what: str, otherwise: str) -> Path:
+def _shipped(target_path: Path, file: Path, spec: str, what: str,
+             otherwise: str = "needs its own (see `specinfer train-ssm`), or layers:L / ngram",
+             ) -> Path:  # fmt: skip
     if target_path.name != GGUF_NAME:
         raise ValueError(f'ssm="{spec}" is {what} {GGUF_NAME}; {target_path.name} {otherwise}')
     if not file.is_file():

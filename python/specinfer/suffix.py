@@ -201,7 +201,8 @@ class Corpus:
         for seq in seqs:
             flat += seq
             flat.append(END)
-        tokens = self.padded = np.array(flat, dtype=np.int32)
+        tokens = np.array(flat, dtype=np.int32)
+        self.tokens = tokens[max_n:]  # as the history numbers them
         filled = np.flatnonzero(tokens != END)
         # 16-bit keys where the tokens fit (END + 1 = 0): numpy sorts those by radix, ~4x faster
         dtype = np.uint16 if tokens.max() + 1 < 1 << 16 else np.int32
@@ -210,10 +211,6 @@ class Corpus:
         # keys[n - 1][i]: the n-th token before order[i]; sorted within each run of the n - 1
         # before it, so a run narrows by binary search within it
         self.keys = [array("i", tokens[self.order - n].tobytes()) for n in range(1, max_n + 1)]
-
-    @property
-    def tokens(self) -> np.ndarray:
-        return self.padded[self.max_n :]
 
     def __deepcopy__(self, memo):
         return self  # immutable
