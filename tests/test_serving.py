@@ -145,6 +145,8 @@ def test_bad_requests_are_refused_without_harm(tiny_pair):  # noqa: F811
     while engine.has_unfinished():
         engine.step()
     assert engine.stats()["generation_tokens_total"] == 5
+    assert not engine.abort(ok)  # finished: its id is free again
+    assert engine.add_request([1], SamplingParams(max_tokens=1), request_id=ok) == ok
 
 
 def test_a_short_kv_budget_makes_requests_wait_then_preempts_and_stays_exact(tiny_pair):  # noqa: F811

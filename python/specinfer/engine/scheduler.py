@@ -36,9 +36,11 @@ class Scheduler:
         self.preemptions = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self._by_id: dict[str, Sequence] = {}  # every waiting or running sequence
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self._by_id[seq.request_id] = seq
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -81,10 +83,12 @@ class Scheduler:
         """The sequence is done (finished or aborted): its rows go back at once."""
         seq.status = Status.FINISHED
         self.kv.free(seq)
+        if self._by_id.get(seq.request_id) is seq:
+            del self._by_id[seq.request_id]
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
     def find(self, request_id: str) -> Sequence | None:
-        return next((s for s in (*self.running, *self.waiting) if s.request_id == request_id), None)
+        return self._by_id.get(request_id)
