@@ -324,6 +324,21 @@ VerifyResult verify_naive(py::handle parents, py::handle tokens, py::handle p_ta
   return verify_naive_cpu(bp.view, bt.view, bprobs.view, seed);
 }
 
+void apply_penalties(py::handle logits, py::handle prompt_tokens,
+                     const std::vector<int64_t>& output_ids,
+                     const std::vector<std::vector<int64_t>>& branches, py::handle vocab_ids,
+                     int64_t vocab_size, float repetition, float presence, float frequency) {
+  const std::string op = "apply_penalties";
+  OpGraph::refuse(op);
+  Borrowed bl = borrow(logits, op, "logits"), bp = borrow(prompt_tokens, op, "prompt_tokens");
+  Borrowed bv;
+  if (!vocab_ids.is_none()) bv = borrow(vocab_ids, op, "vocab_ids");
+  py::gil_scoped_release release;
+  apply_penalties_cpu(bl.view, bp.view, output_ids, branches,
+                      vocab_ids.is_none() ? nullptr : &bv.view, vocab_size, repetition, presence,
+                      frequency);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -385,6 +400,11 @@ PYBIND11_MODULE(_C, m) {
         "(path, next_token); see specinfer.verify.verify_stochastic.");
   m.def("verify_naive", &verify_naive, py::arg("parents"), py::arg("tokens"), py::arg("p_target"),
         py::arg("seed"), "(path, next_token); see specinfer.verify.verify_naive.");
+  m.def("apply_penalties", &apply_penalties, py::arg("logits"), py::arg("prompt_tokens"),
+        py::arg("output_ids"), py::arg("branches"), py::arg("vocab_ids"), py::arg("vocab_size"),
+        py::arg("repetition"), py::arg("presence"), py::arg("frequency"),
+        "Repetition, presence and frequency penalties on float32 logits in place on cpu "
+        "(semantics: specinfer.sampling.Penalties.apply).");
   m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("weight"), py::arg("residual"), py::arg("out"),
         py::arg("eps"),
         "out = rms_norm(x) * weight on cpu; with a residual (else None), residual += x first and "

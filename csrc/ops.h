@@ -114,3 +114,17 @@ std::pair<std::vector<int64_t>, int64_t> verify_naive_cpu(const TensorView& pare
                                                           uint64_t seed);
 
 }  // namespace specinfer
+
+// --- penalties (see Penalties.apply in python/specinfer/sampling.py) ---
+namespace specinfer {
+
+// Penalises logits [rows, columns] float32 in place: column j is token vocab_ids[j] (all
+// vocab_size tokens in order when null); row r holds the prompt's tokens (prompt_tokens, int64),
+// the output's (counted) and branches[r]'s (counted; branches empty: none).
+void apply_penalties_cpu(const TensorView& logits, const TensorView& prompt_tokens,
+                         const std::vector<int64_t>& output_ids,
+                         const std::vector<std::vector<int64_t>>& branches,
+                         const TensorView* vocab_ids, int64_t vocab_size, float repetition,
+                         float presence, float frequency);
+
+}  // namespace specinfer

@@ -104,6 +104,53 @@ def test_penalised_columns_alone_give_the_dense_result_bit_for_bit(dtype):
     assert torch.equal(sub, ours[:, head])
 
 
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(**PENALTIES), SamplingParams(repetition_penalty=0.8),
+     SamplingParams(presence_penalty=-0.5), SamplingParams(frequency_penalty=1.3)],
+    ids=["all", "repetition", "presence", "frequency"],
+)  # fmt: skip
+def test_the_compiled_penalties_equal_the_torch_path(params):
+    """On the CPU apply runs a kernel; apply_reference (torch, any device) defines it. Random
+    requests over a real-sized vocabulary: prompt, output and branch tokens that repeat and
+    overlap, a restricted head in any order (held tokens in and out of it), bf16 and float32."""
+    ops = pytest.importorskip("specinfer.ops")
+    if ops._C is None:
+        pytest.skip("no compiled core")
+    g = torch.Generator().manual_seed(3)
+    V = 49152
+    for case in range(6):
+        pool = torch.randint(0, V, (60,), generator=g)  # few tokens: they repeat
+
+        def pick(n: int, pool=pool) -> list[int]:
+            return pool[torch.randint(0, 60, (n,), generator=g)].tolist()
+
+        prompt, output = pick(40), pick(int(torch.randint(0, 30, (1,), generator=g)))
+        branches = [pick(d) for d in range(int(torch.randint(0, 6, (1,), generator=g)))]
+        rows = max(1, len(branches))
+        dtype = (torch.float32, torch.bfloat16)[case % 2]
+        logits = (torch.randn(rows, V, generator=g) * 5).to(dtype)
+        pen = Penalties(params, prompt, V)
+        ours = pen.apply(logits, output, branches)
+        assert torch.equal(ours, pen.apply_reference(logits, output, branches)), case
+        assert not torch.equal(ours, logits.float()), "penalties changed nothing"
+        head = torch.cat([pool[:20].unique(), torch.randperm(V, generator=g)[:500]])
+        head = head[torch.randperm(len(head), generator=g)]
+        sub = pen.apply(logits[:, head], output, branches, head)
+        assert torch.equal(sub, pen.apply_reference(logits[:, head], output, branches, head))
+        assert torch.equal(sub, ours[:, head])
+
+
+def test_penalties_refuse_tokens_outside_the_vocabulary():
+    pen = Penalties(SamplingParams(**PENALTIES), [1, 2], 10)
+    with pytest.raises(ValueError, match="token 10 in the output is outside the vocabulary"):
+        pen.apply(torch.zeros(1, 10), [3, 10])
+    with pytest.raises(ValueError, match=r"vocab_ids\[1\] = -1 is outside the vocabulary"):
+        pen.apply(torch.zeros(1, 2), [3], None, torch.tensor([1, -1]))
+    with pytest.raises(ValueError, match="branches has 1 entries for 2 rows"):
+        pen.apply(torch.zeros(2, 10), [3], [[4]])
+
+
 def test_tree_branches_are_root_to_node_tokens():
     tree = TokenTree(7)
     a = tree.propose(0, 1)

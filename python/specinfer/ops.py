@@ -356,6 +356,25 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return out.reshape(logits.shape[:-1])
 
 
+def apply_penalties(logits, prompt_tokens, output_ids, branches, vocab_ids, vocab_size,
+                    repetition, presence, frequency) -> bool:  # fmt: skip
+    """The compiled path of `sampling.Penalties.apply` (its semantics, there): penalises float32
+    cpu `logits` [rows, columns] in place and returns True; False, with nothing done, where the
+    kernel cannot run (no compiled core, logits off the cpu), for the caller's torch path."""
+    if (
+        _C is None
+        or not logits.is_cpu
+        or logits.dtype != torch.float32
+        or logits.dim() != 2
+        or logits.stride(-1) != 1
+    ):
+        return False
+    vocab_ids = None if vocab_ids is None else vocab_ids.cpu()
+    _C.apply_penalties(logits, prompt_tokens, output_ids, branches, vocab_ids, vocab_size,
+                       repetition, presence, frequency)  # fmt: skip
+    return True
+
+
 def topk_expand(
     logits: torch.Tensor, k: int, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
