@@ -200,8 +200,11 @@ def test_the_shipped_corpus_is_the_default_models_answers(tiny_pair):  # noqa: F
 
 
 @pytest.mark.parametrize(
-    "line, message", [("[1, 2, x]", "not JSON"), ('{"a": 1}', "a JSON list"), ("[1, 99]", "vocab")]
-)
+    "line, message",
+    [("[1, 2, x]", "not JSON"), ('{"a": 1}', "a JSON list"), ("[1, 2.5]", "a JSON list"),
+     ("[true, 3]", "a JSON list"), ("[[1, 2]]", "a JSON list"), ('[1, "2"]', "a JSON list"),
+     ("[1, 99]", "vocab"), ("[1, -2]", "vocab")],
+)  # fmt: skip
 def test_bad_corpus_lines(tiny_pair, tmp_path, line, message):  # noqa: F811
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text(f"[1, 2]\n{line}\n")
