@@ -135,9 +135,9 @@ class Penalties:
         output_ids + branches[i] (no branches: output_ids alone); column j is token
         vocab_ids[j] (default: token j). Only the columns of tokens the request holds change,
         so only those are computed (a tree's rows times the whole vocabulary would cost a
-        speculative step more than its drafting). On the CPU a compiled kernel (~30 us, where
-        this method's torch ops took ~330 for a tree of 4 rows over 49152 tokens; it runs for
-        each SSM level and the target's tree, each step); elsewhere `apply_reference`."""
+        speculative step more than its drafting). On the CPU a compiled kernel (~50 us, where
+        the torch ops took ~370, for a tree of 4 rows over 49152 tokens; it runs for each SSM
+        level and the target's tree, each step); elsewhere `apply_reference`."""
         if not self.active:
             return logits
         p = self.params
