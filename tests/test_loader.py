@@ -62,6 +62,25 @@ def test_sharded_checkpoint_with_index(tmp_path):
     )
 
 
+def test_a_model_is_built_in_the_dtype_it_runs_in(tmp_path, monkeypatch):
+    """Its weights are made bfloat16, not float32 and converted; the rotary tables (buffers,
+    computed in float32) are converted; the weights equal float32 weights rounded."""
+    hf = tiny_llama()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    made = []
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: made.append(k.get("dtype")) or
+                        real_empty(*a, **k))  # fmt: skip
+    model = load_model(tmp_path, dtype=torch.bfloat16)
+    monkeypatch.undo()
+    assert made and set(made) == {torch.bfloat16}, made
+    assert {t.dtype for t in [*model.parameters(), *model.buffers()]} == {torch.bfloat16}
+    full = load_model(tmp_path)  # outside a build, parameters are float32 again
+    assert {p.dtype for p in full.parameters()} == {torch.float32}
+    for (name, p), q in zip(model.named_parameters(), full.parameters()):
+        assert torch.equal(p, q.to(torch.bfloat16)), name
+
+
 def test_missing_path_config_and_weights(tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere"):
         load_model(tmp_path / "nowhere")

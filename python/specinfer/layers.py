@@ -9,6 +9,8 @@ Fused parameters (qkv, gate/up) also carry `shard_ids`, the shards that must all
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -58,8 +60,23 @@ def default_weight_loader(param: nn.Parameter, full: torch.Tensor, shard_id=None
     param.data.copy_(full)
 
 
+# The dtype parameters are made in while a model is built (`params_in`): the dtype it will run
+# in, so its weights are not first made float32 and converted (0.3 s for the default model's 135M
+# weights, before the checkpoint overwrote them).
+_PARAMS_DTYPE: ContextVar[torch.dtype] = ContextVar("params_dtype", default=torch.float32)
+
+
+@contextmanager
+def params_in(dtype: torch.dtype):
+    token = _PARAMS_DTYPE.set(dtype)
+    try:
+        yield
+    finally:
+        _PARAMS_DTYPE.reset(token)
+
+
 def _param(*shape: int, loader=default_weight_loader) -> nn.Parameter:
-    p = nn.Parameter(torch.empty(shape), requires_grad=False)
+    p = nn.Parameter(torch.empty(shape, dtype=_PARAMS_DTYPE.get()), requires_grad=False)
     p.weight_loader = loader
     return p
 

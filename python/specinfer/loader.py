@@ -27,6 +27,7 @@ from torch import nn
 from tqdm import tqdm
 
 from specinfer.default_model import cache_dir
+from specinfer.layers import params_in
 from specinfer.models import ModelConfig, build_model
 
 GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -67,9 +68,9 @@ def load_model(
 
 
 def _build(config: ModelConfig, dtype: torch.dtype, device) -> nn.Module:
-    with torch.device(device):
+    with torch.device(device), params_in(dtype):
         model = build_model(config)
-    return model.to(dtype).eval()
+    return model.to(dtype).eval()  # the buffers (rotary tables) too
 
 
 def _load_hf_dir(path: Path, dtype, device, shared_embeddings_from=None) -> nn.Module:
