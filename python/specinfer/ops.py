@@ -357,22 +357,17 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def apply_penalties(logits, prompt_tokens, output_ids, branches, vocab_ids, vocab_size,
-                    repetition, presence, frequency) -> bool:  # fmt: skip
-    """The compiled path of `sampling.Penalties.apply` (its semantics, there): penalises float32
-    cpu `logits` [rows, columns] in place and returns True; False, with nothing done, where the
-    kernel cannot run (no compiled core, logits off the cpu), for the caller's torch path."""
-    if (
-        _C is None
-        or not logits.is_cpu
-        or logits.dtype != torch.float32
-        or logits.dim() != 2
-        or logits.stride(-1) != 1
-    ):
-        return False
+                    repetition, presence, frequency) -> torch.Tensor | None:  # fmt: skip
+    """The compiled path of `sampling.Penalties.apply` (its semantics, there): the penalised
+    float32 copy of cpu `logits` [rows, columns]; None where the kernel cannot run (no compiled
+    core, logits off the cpu), for the caller's torch path."""
+    if _C is None or not logits.is_cpu or logits.dim() != 2:
+        return None
+    out = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
     vocab_ids = None if vocab_ids is None else vocab_ids.cpu()
-    _C.apply_penalties(logits, prompt_tokens, output_ids, branches, vocab_ids, vocab_size,
+    _C.apply_penalties(out, prompt_tokens, output_ids, branches, vocab_ids, vocab_size,
                        repetition, presence, frequency)  # fmt: skip
-    return True
+    return out
 
 
 def topk_expand(

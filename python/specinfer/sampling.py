@@ -118,11 +118,9 @@ class Penalties:
     def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int):
         self.params, self.vocab_size = params, vocab_size
         self.active = params.penalized  # callers skip building branches when False
-        self.in_prompt = self.prompt_tokens = None
+        self.prompt_tokens = None
         if self.active:
             self.prompt_tokens = torch.tensor(prompt_ids, dtype=torch.long).unique()
-            self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool)
-            self.in_prompt[self.prompt_tokens] = True
 
     def apply(
         self,
@@ -141,12 +139,11 @@ class Penalties:
         if not self.active:
             return logits
         p = self.params
-        out = logits.to(torch.float32, copy=True)
-        if ops.apply_penalties(out, self.prompt_tokens, output_ids, branches or [], vocab_ids,
-                               self.vocab_size, p.repetition_penalty, p.presence_penalty,
-                               p.frequency_penalty):  # fmt: skip
-            return out
-        return self.apply_reference(logits, output_ids, branches, vocab_ids)
+        out = ops.apply_penalties(logits, self.prompt_tokens, output_ids, branches or [], vocab_ids,
+                                  self.vocab_size, p.repetition_penalty, p.presence_penalty,
+                                  p.frequency_penalty)  # fmt: skip
+        return out if out is not None else self.apply_reference(logits, output_ids, branches,
+                                                                vocab_ids)  # fmt: skip
 
     def apply_reference(self, logits, output_ids, branches=None, vocab_ids=None) -> torch.Tensor:
         """`apply` (arguments as there) in torch ops, on any device: the semantics the kernel
@@ -157,7 +154,9 @@ class Penalties:
         branches = branches or []
         output = torch.tensor(output_ids, dtype=torch.long)
         extra = torch.tensor([t for b in branches for t in b], dtype=torch.long)
-        held = self.in_prompt.clone()
+        in_prompt = torch.zeros(self.vocab_size, dtype=torch.bool)
+        in_prompt[self.prompt_tokens] = True
+        held = in_prompt.clone()
         held[output] = True
         held[extra] = True
         token_of = vocab_ids.cpu() if vocab_ids is not None else None
@@ -169,7 +168,7 @@ class Penalties:
         if len(extra):  # each branch token counts in its row, at its column if it has one
             row = torch.tensor([i for i, b in enumerate(branches) for _ in b], dtype=torch.long)
             counts.index_add_(0, row, (extra[:, None] == tokens[None, :]).float())
-        seen = self.in_prompt[tokens] | (counts > 0)
+        seen = in_prompt[tokens] | (counts > 0)
         cols, counts, seen = (t.to(logits.device) for t in (cols, counts, seen))
         out = logits.to(torch.float32, copy=True)
         x = out[:, cols]
