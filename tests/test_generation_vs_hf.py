@@ -104,3 +104,32 @@ def test_batch_one_equals_batched(engine):
     batched = engine.generate(WRITTEN[:4], params)
     single = [engine.generate(p, params)[0] for p in WRITTEN[:4]]
     assert [b.token_ids for b in batched] == [s.token_ids for s in single]
+
+
+@pytest.mark.parametrize("ssm", [None, ["default", "ngram"]], ids=["incremental", "speculative"])
+def test_logprobs_are_transformers_log_softmax(engine, hf_model, smollm_gguf, ssm):
+    """Each token's logprob and its step's top 5 are HF's log-softmax of the raw logits at that
+    position: greedy, and sampled with penalties (which the reported distribution leaves out);
+    under speculation the rows come from the verified trees' accepted paths."""
+    if ssm is not None:
+        engine = Engine(smollm_gguf, dtype="float32", ssm=ssm)
+    prompts = [WRITTEN[0], WRITTEN[3], CHATS[0]]
+    for params in (SamplingParams(max_tokens=24, logprobs=5, ignore_eos=True),
+                   SamplingParams(max_tokens=24, temperature=0.8, seed=3, logprobs=5, ignore_eos=True,
+                                  repetition_penalty=1.3, frequency_penalty=0.5)):  # fmt: skip
+        for prompt, out in zip(prompts, engine.generate(prompts, params)):
+            ids, tokens = engine.prompt_ids(prompt), out.token_ids
+            ref = torch.log_softmax(_hf_logits_over(hf_model, ids, tokens), dim=-1)
+            assert len(out.logprobs) == len(tokens) == 24
+            ours = torch.tensor([e.logprob for e in out.logprobs])
+            assert [e.token_id for e in out.logprobs] == tokens
+            torch.testing.assert_close(
+                ours, ref[torch.arange(len(tokens)), tokens], atol=1e-4, rtol=0
+            )
+            top = ref.topk(6, dim=-1)
+            for step, e in enumerate(out.logprobs):
+                values = torch.tensor([lp for _, lp in e.top])
+                torch.testing.assert_close(values, top.values[step, :5], atol=1e-4, rtol=0)
+                for (token, lp), want in zip(e.top, top.indices[step].tolist()):
+                    # the same token, unless HF's value there is tied with its neighbour's
+                    assert token == want or (top.values[step] - lp).abs().lt(1e-4).sum() > 1

@@ -17,6 +17,9 @@ from specinfer.sampling import SamplingParams, make_generator, next_token, proba
         ({"top_k": -3}, "top_k"),
         ({"seed": "x"}, "seed"),
         ({"stop": [""]}, "stop"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
     ],
 )
 def test_invalid_params_name_the_problem(kwargs, message):

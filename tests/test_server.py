@@ -44,7 +44,10 @@ REFERENCES = {
     "chat": (CHAT, SamplingParams(max_tokens=12)),
     "completion": (PROMPT, SamplingParams(max_tokens=12)),
     "stop": (PROMPT, SamplingParams(max_tokens=12, stop=["\n", "."])),
+    "chat_logprobs": (CHAT, SamplingParams(max_tokens=12, logprobs=3)),
+    "completion_logprobs": (PROMPT, SamplingParams(max_tokens=12, logprobs=2)),
 }
+LOGPROB_TOLERANCE = 0.05  # bfloat16: the server's batches and trees may differ from the reference's
 
 
 def _free_port() -> int:
@@ -219,6 +222,73 @@ def test_n_choices_and_seeds(served):
         assert mine[-1].finish_reason == served.refs["chat"].finish_reason
 
 
+def _close_to_reference(ref, token_ids: list[int], logprobs: list[float], tops: list[list]):
+    """The engine's greedy reference: same tokens; logprobs and each step's top tokens within
+    bfloat16's tolerance (a top token may swap with a neighbour as close as that)."""
+    assert token_ids == ref.token_ids
+    for got, want, top in zip(logprobs, ref.logprobs, tops):
+        assert got <= 0 and abs(got - want.logprob) < LOGPROB_TOLERANCE
+        assert [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
+        for (token, lp), (want_token, want_lp) in zip(top, want.top):
+            assert abs(lp - want_lp) < LOGPROB_TOLERANCE
+            assert token == want_token or abs(lp - want_lp) < LOGPROB_TOLERANCE / 2
+
+
+def test_chat_logprobs(served):
+    ref, tokenizer = served.refs["chat_logprobs"], served.engine.tokenizer
+    ids = {tokenizer.decode([t], skip_special_tokens=False): t for t in range(tokenizer.vocab_size)}
+    kw = {"model": MODEL, "messages": CHAT, "max_tokens": 12, "temperature": 0, "logprobs": True,
+          "top_logprobs": 3}  # fmt: skip
+    r = served.client.chat.completions.create(**kw)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == len(ref.token_ids)
+    assert r.choices[0].message.content.startswith("".join(e.token for e in content[:-1]))
+    for e in content:
+        assert e.bytes == list(e.token.encode()) and len(e.top_logprobs) == 3
+        assert e.top_logprobs[0].token == e.token  # greedy: the most likely token was chosen
+    _close_to_reference(
+        ref,
+        [ids[e.token] for e in content],
+        [e.logprob for e in content],
+        [[(ids[t.token], t.logprob) for t in e.top_logprobs] for e in content],
+    )
+    # Streamed: the same entries, spread over the chunks; none without logprobs: null.
+    chunks = list(served.client.chat.completions.create(stream=True, **kw))
+    streamed = [e for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(streamed, content)) < LOGPROB_TOLERANCE
+    plain = served.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4)
+    assert plain.choices[0].logprobs is None
+    only_chosen = served.client.chat.completions.create(**{**kw, "top_logprobs": None})
+    assert all(e.top_logprobs == [] for e in only_chosen.choices[0].logprobs.content)
+
+
+def test_completion_logprobs(served):
+    ref, tokenizer = served.refs["completion_logprobs"], served.engine.tokenizer
+    ids = {tokenizer.decode([t], skip_special_tokens=False): t for t in range(tokenizer.vocab_size)}
+    r = served.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12,
+                                         temperature=0, logprobs=2)  # fmt: skip
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    if r.choices[0].finish_reason == "length":
+        assert "".join(lp.tokens) == r.choices[0].text
+    tops = [sorted(((ids[t], v) for t, v in top.items()), key=lambda x: -x[1])
+            for top in lp.top_logprobs]  # fmt: skip
+    assert all(len(top) == 2 for top in tops)
+    _close_to_reference(ref, [ids[t] for t in lp.tokens], lp.token_logprobs, tops)
+    # Streamed: each chunk's offsets continue where the last chunk's tokens ended.
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "logprobs": 2,
+            "stream": True}  # fmt: skip
+    with served.http.stream("POST", "/v1/completions", json=body) as resp:
+        events = [e for e in _sse(resp.iter_lines()) if e != "[DONE]"]
+    parts = [e["choices"][0]["logprobs"] for e in events]
+    assert [t for p in parts for t in p["tokens"]] == lp.tokens
+    assert [o for p in parts for o in p["text_offset"]] == lp.text_offset
+    r = served.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, logprobs=0)
+    assert r.choices[0].logprobs.top_logprobs is None and len(r.choices[0].logprobs.tokens) == 3
+
+
 # -- bad input ---------------------------------------------------------------------------------
 
 _OK = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4}
@@ -259,7 +329,15 @@ BAD = [  # (endpoint, body (dict, or raw text), status, text the message holds, 
      "repetition_penalty"),
     ("completions", {**_OK, "stop": [""]}, 400, "stop strings must be non-empty", "stop"),
     ("completions", {**_OK, "stop": [1]}, 400, "stop must be a string or a list", "stop"),
-    ("completions", {**_OK, "logprobs": 2}, 400, "logprobs is not supported", "logprobs"),
+    ("completions", {**_OK, "logprobs": 21}, 400, "logprobs must be between 0 and 20, got 21",
+     "logprobs"),
+    ("completions", {**_OK, "logprobs": True}, 400, "valid integer", "logprobs"),
+    ("chat/completions", {**_OK_CHAT, "top_logprobs": 2}, 400,
+     "top_logprobs requires logprobs to be true", "top_logprobs"),
+    ("chat/completions", {**_OK_CHAT, "logprobs": True, "top_logprobs": -1}, 400,
+     "top_logprobs must be between 0 and 20", "top_logprobs"),
+    ("chat/completions", {**_OK_CHAT, "logprobs": 1}, 400, "valid boolean", "logprobs"),
+    ("completions", {**_OK, "echo": True}, 400, "echo is not supported", "echo"),
     ("completions", {**_OK, "stream_options": {"include_usage": True}}, 400,
      "only allowed when stream is true", "stream_options"),
     ("completions", {**_OK, "model": "gpt-4"}, 404, "The model 'gpt-4' does not exist", "model"),

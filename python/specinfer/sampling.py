@@ -14,6 +14,8 @@ import torch
 
 from specinfer import ops
 
+MAX_LOGPROBS = 20  # most likely tokens a step may report (vLLM's default cap)
+
 
 @dataclass
 class SamplingParams:
@@ -26,6 +28,8 @@ class SamplingParams:
     negative one of every token seen in the prompt or the output; presence_penalty and
     frequency_penalty (the OpenAI API's, in [-2, 2]; 0 = off) subtract, from the logit of each
     token the output holds, the presence penalty once and the frequency penalty per occurrence.
+    logprobs: None (off), or N in [0, MAX_LOGPROBS]: each generated token's log-probability
+    under the model, and the step's N most likely tokens (see `token_logprobs`).
     """
 
     max_tokens: int = 128
@@ -38,6 +42,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -63,6 +68,14 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int)
+            or isinstance(self.logprobs, bool)
+            or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs must be None (off) or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
 
     @property
     def penalized(self) -> bool:
@@ -105,6 +118,39 @@ def probabilities(
         top = top.masked_fill(mass - top >= top_p, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, top / top.sum(-1, keepdim=True))
     return probs
+
+
+@dataclass
+class TokenLogprob:
+    """A generated token's log-probability, and the step's most likely (token, log-probability)
+    pairs, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """tokens[i]'s TokenLogprob under row i of logits [N, V], with `top` most likely tokens.
+
+    The model's own distribution, log_softmax of the raw logits: before penalties, temperature,
+    top-k and top-p (vLLM's default), so a token's log-probability is the same however it was
+    decoded. Under speculation the rows are the target's at the accepted path's nodes, the
+    logits incremental decoding would have had there."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    index = torch.tensor(tokens, dtype=torch.long, device=lp.device)[:, None]
+    chosen = lp.gather(-1, index)[:, 0].tolist()
+    best = [[]] * len(tokens)
+    if top:
+        # Ties (common in bfloat16) in token order, as argmax breaks them: a greedy token is
+        # its step's first. Every token that reaches the top-th value is a candidate.
+        kth = lp.topk(top, dim=-1).values[:, -1]
+        best = []
+        for row, threshold in zip(lp, kth):
+            ids = (row >= threshold).nonzero()[:, 0]
+            order = torch.sort(row[ids], descending=True, stable=True).indices[:top]
+            best.append(list(zip(ids[order].tolist(), row[ids[order]].tolist())))
+    return [TokenLogprob(t, c, b) for t, c, b in zip(tokens, chosen, best)]
 
 
 class Penalties:

@@ -26,7 +26,7 @@ from specinfer.engine.output import append_tokens
 from specinfer.engine.scheduler import Scheduler
 from specinfer.engine.sequence import Completion, RequestOutput
 from specinfer.engine.sequence import Sequence as Seq
-from specinfer.engine.spec_step import sample, sample_all, speculative_step
+from specinfer.engine.spec_step import logprobs_of, sample, sample_all, speculative_step
 from specinfer.layers import pack_linears
 from specinfer.offload import check_mode, offload_model
 from specinfer.sampling import SamplingParams
@@ -254,6 +254,9 @@ class Engine:
         if self.mode == "dsi" and seq.penalties.active:
             raise ValueError("mode 'dsi' does not support repetition, presence or frequency "
                              "penalties")  # fmt: skip
+        if self.mode == "dsi" and params.logprobs is not None:
+            raise ValueError("mode 'dsi' does not support logprobs (its target servers verify "
+                             "in other processes and send back tokens only)")  # fmt: skip
         return seq
 
     def add_sequence(self, seq: Seq) -> None:
@@ -289,16 +292,25 @@ class Engine:
                 t0 = time.perf_counter()
                 logits = self.runner.decode(self.kv, plan.decode)
                 new = [[token] for token in sample_all(plan.decode, logits)]
+                scores = [logprobs_of(s, logits[b : b + 1], tokens)
+                          for b, (s, tokens) in enumerate(zip(plan.decode, new))]  # fmt: skip
                 for s in plan.decode:
                     s.metrics["target_s"] += time.perf_counter() - t0
             else:
-                new, trees = speculative_step(plan.decode, self.kv, self.runner, self.drafter,
-                                              self.budget, self.verifier, self.max_tree_nodes)  # fmt: skip
+                new, trees, scores = speculative_step(
+                    plan.decode,
+                    self.kv,
+                    self.runner,
+                    self.drafter,
+                    self.budget,
+                    self.verifier,
+                    self.max_tree_nodes,
+                )
                 self._count_speculation(trees, new)
             streamed = self.runner.charge_streaming(plan.decode, streamed)
-            for s, tokens in zip(plan.decode, new):
+            for s, tokens, logprobs in zip(plan.decode, new, scores):
                 s.metrics["steps"] += 1
-                outputs.append(self._append(s, tokens))
+                outputs.append(self._append(s, tokens, logprobs))
         if plan.prefill:
             t0 = time.perf_counter()
             logits = self.runner.prefill(self.kv, plan.prefill)
@@ -310,7 +322,8 @@ class Engine:
             for (s, _), lg in zip(plan.prefill, logits):
                 s.metrics["prefill_s"] += time.perf_counter() - t0
                 if lg is not None and not s.output_ids:  # the prompt is cached: its first token
-                    outputs.append(self._append(s, [sample(s, lg)]))
+                    token = sample(s, lg)
+                    outputs.append(self._append(s, [token], logprobs_of(s, lg[None], [token])))
         return outputs
 
     def stats(self) -> dict:
@@ -446,9 +459,9 @@ class Engine:
 
     # -- one step's pieces ----------------------------------------------------------------------
 
-    def _append(self, seq: Seq, tokens: list[int]) -> RequestOutput:
+    def _append(self, seq: Seq, tokens: list[int], logprobs: list | None = None) -> RequestOutput:
         before = len(seq.output_ids)
-        out = append_tokens(seq, tokens, self.eos_ids)
+        out = append_tokens(seq, tokens, self.eos_ids, logprobs)
         self.counters["generation_tokens_total"] += len(seq.output_ids) - before
         if out.text and seq.request_id in self._deltas:
             self._deltas[seq.request_id].append(out.text)

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 from specinfer.engine.sequence import RequestOutput, Sequence
+from specinfer.sampling import TokenLogprob
 
 
-def append_tokens(seq: Sequence, tokens: list[int], eos_ids: set[int]) -> RequestOutput:
-    """Append tokens until one of them finishes the request (the rest are dropped)."""
+def append_tokens(seq: Sequence, tokens: list[int], eos_ids: set[int],
+                  logprobs: list[TokenLogprob] | None = None) -> RequestOutput:  # fmt: skip
+    """Append tokens (and their logprobs, if the request keeps them) until one of them
+    finishes the request (the rest are dropped)."""
     delta, added = "", []
-    for token in tokens:
+    for i, token in enumerate(tokens):
         seq.output_ids.append(token)
         added.append(token)
+        if seq.logprobs is not None:
+            seq.logprobs.append(logprobs[i])
         is_eos = token in eos_ids and not seq.params.ignore_eos
         if not is_eos:
             delta += seq.stream.add(token)
@@ -26,5 +31,8 @@ def append_tokens(seq: Sequence, tokens: list[int], eos_ids: set[int]) -> Reques
 
 
 def output_of(seq: Sequence, delta: str = "", tokens: list[int] | None = None) -> RequestOutput:
-    return RequestOutput(seq.request_id, delta, tokens or [], seq.finish_reason is not None,
-                         seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids))  # fmt: skip
+    tokens = tokens or []
+    logprobs = None if seq.logprobs is None else seq.logprobs[len(seq.logprobs) - len(tokens) :]
+    return RequestOutput(seq.request_id, delta, tokens, seq.finish_reason is not None,
+                         seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids),
+                         logprobs)  # fmt: skip

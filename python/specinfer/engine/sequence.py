@@ -8,7 +8,7 @@ from enum import Enum
 
 import torch
 
-from specinfer.sampling import Penalties, SamplingParams, make_generator
+from specinfer.sampling import Penalties, SamplingParams, TokenLogprob, make_generator
 from specinfer.streaming import TextStream
 
 
@@ -21,18 +21,21 @@ class Status(Enum):
 @dataclass
 class Completion:
     """The result of one request. finish_reason: "stop" (EOS or a stop string), "length", or
-    "abort" (aborted before it finished)."""
+    "abort" (aborted before it finished). logprobs: one per token id, when the request's
+    SamplingParams asked for them (else None)."""
 
     text: str
     token_ids: list[int]
     finish_reason: str
     prompt_tokens: int
     metrics: dict = field(default_factory=dict)
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
 class RequestOutput:
-    """What one engine step produced for one request: the new text and tokens."""
+    """What one engine step produced for one request: the new text and tokens (and their
+    logprobs, when asked for)."""
 
     request_id: str
     text: str
@@ -41,6 +44,7 @@ class RequestOutput:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    logprobs: list[TokenLogprob] | None = None
 
 
 class Sequence:
@@ -59,6 +63,7 @@ class Sequence:
         self.prefill_len = len(prompt_ids)  # tokens a prefill feeds (more after a preemption)
         self.preemptions = 0
         self.output_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.text = ""
         self.finish_reason: str | None = None
         self.arrival = time.perf_counter()
@@ -93,6 +98,5 @@ class Sequence:
         m["decode_s"] = m["ssm_s"] + m["target_s"] + m["verify_s"] + m["commit_s"]
         # The prefill yields the first token; each decode step yields the rest.
         m["tokens_per_step"] = (len(self.output_ids) - 1) / m["steps"] if m["steps"] else 0.0
-        return Completion(
-            self.text, self.output_ids, self.finish_reason or "length", len(self.prompt_ids), m
-        )
+        return Completion(self.text, self.output_ids, self.finish_reason or "length",
+                          len(self.prompt_ids), m, self.logprobs)  # fmt: skip

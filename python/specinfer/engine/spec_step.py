@@ -15,16 +15,23 @@ from specinfer import verify
 from specinfer.budget import SEEDED_DEPTH, must_draft
 from specinfer.engine.model_runner import ModelRunner
 from specinfer.engine.sequence import Sequence
-from specinfer.sampling import draw_seed, greedy_tokens, next_token, probabilities
+from specinfer.sampling import (
+    TokenLogprob,
+    draw_seed,
+    greedy_tokens,
+    next_token,
+    probabilities,
+    token_logprobs,
+)
 from specinfer.tree import TokenTree
 
 
 def speculative_step(seqs: list[Sequence], kv, runner: ModelRunner, drafter, budget,
                      verifier: str, max_nodes: int | None = None,
-                     ) -> tuple[list[list[int]], list[TokenTree]]:  # fmt: skip
-    """Each sequence's new tokens (its accepted path's tokens, then the target's next one) and
-    the tree that was verified (at most `max_nodes` of each drafted tree: the first ids, which
-    keep every node's parent)."""
+                     ) -> tuple[list[list[int]], list[TokenTree], list]:  # fmt: skip
+    """Each sequence's new tokens (its accepted path's tokens, then the target's next one), the
+    tree that was verified (at most `max_nodes` of each drafted tree: the first ids, which keep
+    every node's parent) and the new tokens' logprobs (None where not asked for)."""
     tokens = [s.prompt_ids + s.output_ids for s in seqs]
     # No point speculating past what the request may still generate.
     max_depths = [s.max_len - len(seq) - 1 for s, seq in zip(seqs, tokens)]
@@ -86,7 +93,10 @@ def speculative_step(seqs: list[Sequence], kv, runner: ModelRunner, drafter, bud
         for depth in range(len(path) - 1):
             accepted[depth] += 1
     new = [tree.path_tokens(path[1:]) + [nxt] for tree, (path, nxt) in zip(trees, verified)]
-    return new, trees
+    # A path's node i gave its token i+1 (the root the first): its logits row scores it.
+    scores = [logprobs_of(s, logits[b : b + 1] if plain else logits[b, path], tokens)
+              for b, (s, path, tokens) in enumerate(zip(seqs, paths, new))]  # fmt: skip
+    return new, trees, scores
 
 
 def _drafted_path(drafted: TokenTree, tree: TokenTree, path: list[int]) -> list[int]:
@@ -111,6 +121,15 @@ def _depths(i: int, ssm, seqs: list[Sequence], max_depths: list[int], runs: bool
         else:
             out.append(0 if not runs else min(d, cap) if cap else d)
     return out
+
+
+def logprobs_of(
+    seq: Sequence, logits: torch.Tensor, tokens: list[int]
+) -> list[TokenLogprob] | None:
+    """The request's logprobs of `tokens` (row i of logits [N, V] chose tokens[i]), if it asked."""
+    if seq.params.logprobs is None:
+        return None
+    return token_logprobs(logits, tokens, seq.params.logprobs)
 
 
 def sample(seq: Sequence, logits: torch.Tensor) -> int:

@@ -19,6 +19,7 @@ from specinfer.server.generation import (
     stream_events,
     unless_disconnected,
 )
+from specinfer.server.logprobs import chat_logprobs
 from specinfer.server.protocol import ChatCompletionRequest
 from specinfer.server.sse import SSEResponse
 
@@ -31,14 +32,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     state.admit(body.model)
     body.check()
     job = prepare(state, body, [body.messages], "messages", "chatcmpl", None)
+    tokenizer = state.engine.tokenizer
     if body.stream:
         base = {"id": job.id, "object": "chat.completion.chunk", "created": job.created,
                 "model": state.model_name}  # fmt: skip
         opening = [_entry(c.index, {"role": "assistant", "content": ""}) for c in job.choices]
 
         def entries(c, out):
-            if out.text:
-                yield _entry(c.index, {"content": out.text})
+            if out.text or out.logprobs:
+                logprobs = chat_logprobs(tokenizer, out.logprobs) if out.logprobs else None
+                yield _entry(c.index, {"content": out.text}, logprobs=logprobs)
             if out.finished:
                 yield _entry(c.index, {}, out.finish_reason)
 
@@ -49,7 +52,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     except ClientDisconnected:
         return Response(status_code=499)
     choices = [
-        {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
+        {"index": c.index, "message": {"role": "assistant", "content": c.text},
+         "logprobs": (chat_logprobs(tokenizer, c.logprobs)
+                      if c.params.logprobs is not None else None),
          "finish_reason": c.finish_reason}
         for c in job.choices
     ]  # fmt: skip
@@ -57,5 +62,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             "model": state.model_name, "choices": choices, "usage": job.usage()}  # fmt: skip
 
 
-def _entry(index: int, delta: dict, finish_reason: str | None = None) -> dict:
-    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+def _entry(index: int, delta: dict, finish_reason: str | None = None,
+           logprobs: dict | None = None) -> dict:  # fmt: skip
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}

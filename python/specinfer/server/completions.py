@@ -16,6 +16,7 @@ from specinfer.server.generation import (
     stream_events,
     unless_disconnected,
 )
+from specinfer.server.logprobs import completion_logprobs
 from specinfer.server.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS, CompletionRequest
 from specinfer.server.sse import SSEResponse
 
@@ -30,17 +31,21 @@ async def completions(body: CompletionRequest, request: Request):
     job = prepare(state, body, body.prompts(), "prompt", "cmpl", COMPLETIONS_DEFAULT_MAX_TOKENS)
     base = {"id": job.id, "object": "text_completion", "created": job.created,
             "model": state.model_name}  # fmt: skip
+    top, tokenizer = body.requested_logprobs(), state.engine.tokenizer
     if body.stream:
+        offsets = dict.fromkeys(range(len(job.choices)), 0)  # where a choice's next token starts
 
         def entries(c, out):
-            if out.text or out.finished:
+            if out.text or out.finished or out.logprobs:
                 reason = out.finish_reason if out.finished else None
-                yield {
-                    "index": c.index,
-                    "text": out.text,
-                    "logprobs": None,
-                    "finish_reason": reason,
-                }
+                logprobs = None
+                if top is not None:
+                    logprobs = completion_logprobs(
+                        tokenizer, out.logprobs or [], top, offsets[c.index]
+                    )
+                    offsets[c.index] += sum(map(len, logprobs["tokens"]))
+                yield {"index": c.index, "text": out.text, "logprobs": logprobs,
+                       "finish_reason": reason}  # fmt: skip
 
         usage = bool(body.stream_options and body.stream_options.include_usage)
         return SSEResponse(stream_events(state, job, base, entries, include_usage=usage))
@@ -48,6 +53,9 @@ async def completions(body: CompletionRequest, request: Request):
         await unless_disconnected(request, run_to_end(state, job))
     except ClientDisconnected:
         return Response(status_code=499)
-    choices = [{"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
-               for c in job.choices]  # fmt: skip
+    choices = [
+        {"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
+         "logprobs": None if top is None else completion_logprobs(tokenizer, c.logprobs, top)}
+        for c in job.choices
+    ]  # fmt: skip
     return {**base, "choices": choices, "usage": job.usage()}

@@ -33,6 +33,7 @@ class Choice:
     text: str = ""
     completion_tokens: int = 0
     finish_reason: str | None = None
+    logprobs: list = field(default_factory=list)  # TokenLogprobs, when params.logprobs is set
 
 
 @dataclass
@@ -130,6 +131,7 @@ async def choice_outputs(state, job: Job) -> AsyncIterator[tuple[Choice, object]
             if item is _ABORT:
                 item = Aborted(c.completion_tokens)
             c.text += item.text
+            c.logprobs += item.logprobs or []
             c.completion_tokens = max(c.completion_tokens, item.completion_tokens)  # abort: 0
             if item.finished:
                 c.finish_reason = item.finish_reason
@@ -158,6 +160,7 @@ class Aborted:
     token_ids: list = field(default_factory=list)
     finished: bool = True
     finish_reason: str = "abort"
+    logprobs: None = None
 
 
 async def run_to_end(state, job: Job) -> None:

@@ -2,7 +2,7 @@
 
 Types are checked strictly (a string is not a number, 1.5 is not an integer); values are checked
 by SamplingParams, whose ValueError names the field. Unknown fields are ignored, except OpenAI
-features this server does not implement (logprobs, tools, ...), which are refused when set.
+features this server does not implement (echo, tools, ...), which are refused when set.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, field_validator
 
-from specinfer.sampling import SamplingParams
+from specinfer.sampling import MAX_LOGPROBS, SamplingParams
 from specinfer.server.errors import APIError
 
 MAX_N = 8  # choices per request (each one an engine request)
@@ -19,8 +19,8 @@ MAX_PROMPTS = 8  # prompts in one /v1/completions request
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 # Set to anything but these, an unimplemented feature is an error rather than silently ignored.
-_UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "logit_bias", "tools", "functions",
-                "response_format", "best_of")  # fmt: skip
+_UNSUPPORTED = ("echo", "suffix", "logit_bias", "tools", "functions", "response_format",
+                "best_of")  # fmt: skip
 _PARAM_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop",
                  "repetition_penalty", "presence_penalty", "frequency_penalty")  # fmt: skip
 
@@ -77,6 +77,11 @@ class _Request(BaseModel):
             raise APIError(
                 400, "stream_options is only allowed when stream is true", "stream_options"
             )
+        self.requested_logprobs()
+
+    def requested_logprobs(self) -> int | None:
+        """None (no logprobs), or how many most likely tokens each step reports."""
+        raise NotImplementedError
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         """max_completion_tokens if given, else max_tokens (None: the endpoint's default), and the
@@ -103,6 +108,7 @@ class _Request(BaseModel):
                 ),
                 presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0,
+                logprobs=self.requested_logprobs(),
             )
         except ValueError as e:
             message = str(e)
@@ -115,8 +121,18 @@ class _Request(BaseModel):
             raise APIError(400, message, param) from e
 
 
+def _top_count(value: int, name: str) -> int:
+    if not 0 <= value <= MAX_LOGPROBS:
+        raise APIError(400, f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}", name)
+    return value
+
+
 class CompletionRequest(_Request):
     prompt: Any
+    logprobs: StrictInt | None = None  # the most likely tokens reported a step (0: the chosen one)
+
+    def requested_logprobs(self) -> int | None:
+        return None if self.logprobs is None else _top_count(self.logprobs, "logprobs")
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -148,6 +164,15 @@ def _token_ids(x) -> bool:
 
 class ChatCompletionRequest(_Request):
     messages: list[dict]
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+
+    def requested_logprobs(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs is not None:
+                raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
+            return None
+        return 0 if self.top_logprobs is None else _top_count(self.top_logprobs, "top_logprobs")
 
     @field_validator("messages")
     @classmethod
