@@ -74,7 +74,8 @@ def test_replayed_forwards_equal_eager_ones(tmp_path, name):
 
 
 def test_a_forward_with_torch_ops_is_refused_and_runs_eagerly(tmp_path, monkeypatch):
-    _, model = build_pair("llama-gqa", tmp_path, dtype=torch.float32)  # fp32 linear is torch's
+    monkeypatch.setattr(ops, "FAST_LINEAR_FP32", False)  # fp32 linear is torch's
+    _, model = build_pair("llama-gqa", tmp_path, dtype=torch.float32)
     assert not model.graph_safe  # so a runner would not try; this one is made to
     monkeypatch.setattr(type(model), "graph_safe", property(lambda self: True))
     runner = GraphRunner(model)
@@ -154,7 +155,8 @@ def test_a_new_cache_drops_the_graphs_of_the_old_one(tmp_path):
     assert not runner._graphs and runner._kv is None
 
 
-def test_op_graph_rules():
+def test_op_graph_rules(monkeypatch):
+    monkeypatch.setattr(ops, "FAST_LINEAR_FP32", False)  # fp32 linear is torch's
     x, w = torch.randn(1, 8).bfloat16(), torch.randn(4, 8).bfloat16()
     out = torch.empty(1, 4, dtype=torch.bfloat16)
     g = ops._C.OpGraph()

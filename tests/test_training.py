@@ -74,9 +74,11 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("training")
     path = _tiny_target(root / "target")
     engine = Engine(path, dtype="float32")
+    # Students copy the target's layers: the weights as loaded, not the engine's packed ones.
+    target = load_model(path, torch.float32)
     settings = TeacherSettings(str(path), max_new_tokens=8, top_k_logits=6, shard_size=10)
-    examples = make_teacher_data(engine, engine.model, _prompts(24), settings, root / "teacher")
-    return path, engine.model, examples
+    examples = make_teacher_data(engine, target, _prompts(24), settings, root / "teacher")
+    return path, target, examples
 
 
 # -- prompt files -------------------------------------------------------------------------------

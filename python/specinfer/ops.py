@@ -125,12 +125,12 @@ def tree_attention(
 # and small tree blocks. Measured against torch.nn.functional.linear on all SmolLM2-135M
 # projections (weights cold in memory): bfloat16 1.3-1.5x faster at 1 row and 4-5.5x at 8-64
 # rows; float32 1.06x (1 thread) to 1.6x (2 threads) at 1 row, 1.2-1.8x at 20, but 0.83-0.97x at
-# 64 rows, hence its smaller blocks. float32 is opt-in (FAST_LINEAR_FP32 = True or
-# SPECINFER_FAST_LINEAR_FP32=1): its different summation order moves SmolLM2 logits by ~1e-4,
-# just over the 1e-4 tolerance the model tests hold against transformers.
-# On AVX2 CPUs (no AVX-512) the engine packs its weights for an outer-product kernel instead
-# (pack_linear); benchmarks/results/README.md has both layouts by row count.
-FAST_LINEAR_FP32 = os.environ.get("SPECINFER_FAST_LINEAR_FP32", "0") == "1"
+# 64 rows, hence its smaller blocks. On AVX2 CPUs (no AVX-512) the engine packs its weights for
+# an outer-product kernel instead (pack_linear); benchmarks/results/README.md has both layouts by
+# row count, and the float32 decode steps it saves there (torch's float32 linear is several
+# times slower than the packed kernel on such a CPU). SPECINFER_FAST_LINEAR_FP32=0 keeps float32
+# on torch (its sums are in torch's order, which moves SmolLM2's logits by ~1e-4 from ours).
+FAST_LINEAR_FP32 = os.environ.get("SPECINFER_FAST_LINEAR_FP32", "1") != "0"
 FAST_LINEAR_MAX_ROWS = {torch.bfloat16: 64, torch.float32: 32}  # rows per kernel call
 
 
