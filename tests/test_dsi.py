@@ -297,6 +297,8 @@ def test_dsi_bad_input_is_a_clear_error(tiny_pair):  # noqa: F811
             engine.generate(PROMPT, SamplingParams(max_tokens=4, repetition_penalty=1.2))
         with pytest.raises(ValueError, match="mode 'dsi' does not support logprobs"):
             engine.generate(PROMPT, SamplingParams(max_tokens=4, logprobs=1))
+        with pytest.raises(ValueError, match="mode 'dsi' does not support logprobs"):
+            engine.generate(PROMPT, SamplingParams(max_tokens=4, prompt_logprobs=0))
         # The engine still serves after the refused request.
         assert len(engine.generate(PROMPT, SamplingParams(max_tokens=4)).pop().token_ids) == 4
     assert _no_servers_left()

@@ -133,3 +133,24 @@ def test_logprobs_are_transformers_log_softmax(engine, hf_model, smollm_gguf, ss
                 for (token, lp), want in zip(e.top, top.indices[step].tolist()):
                     # the same token, unless HF's value there is tied with its neighbour's
                     assert token == want or (top.values[step] - lp).abs().lt(1e-4).sum() > 1
+
+
+def test_prompt_logprobs_are_transformers_log_softmax(smollm_gguf, hf_model):
+    """Each prompt token's logprob (after the first) and top 3 are HF's log-softmax over the
+    prompt, with prompts prefilled in chunks of 16 tokens, three at once."""
+    engine = Engine(smollm_gguf, dtype="float32", max_tokens_per_step=16)
+    prompts = _stdlib_prompts(3)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=2, prompt_logprobs=3))
+    for prompt, out in zip(prompts, outs):
+        ids = engine.prompt_ids(prompt)
+        assert len(ids) > 32 and len(out.prompt_logprobs) == len(ids)
+        assert out.prompt_logprobs[0] is None
+        with torch.no_grad():
+            ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0, :-1], dim=-1)
+        ours = torch.tensor([e.logprob for e in out.prompt_logprobs[1:]])
+        assert [e.token_id for e in out.prompt_logprobs[1:]] == ids[1:]
+        torch.testing.assert_close(
+            ours, ref[torch.arange(len(ids) - 1), ids[1:]], atol=1e-4, rtol=0
+        )
+        top = torch.tensor([[lp for _, lp in e.top] for e in out.prompt_logprobs[1:]])
+        torch.testing.assert_close(top, ref.topk(3, dim=-1).values, atol=1e-4, rtol=0)

@@ -20,6 +20,7 @@ from specinfer.sampling import SamplingParams, make_generator, next_token, proba
         ({"logprobs": -1}, "logprobs"),
         ({"logprobs": 21}, "logprobs"),
         ({"logprobs": True}, "logprobs"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
     ],
 )
 def test_invalid_params_name_the_problem(kwargs, message):

@@ -46,6 +46,7 @@ REFERENCES = {
     "stop": (PROMPT, SamplingParams(max_tokens=12, stop=["\n", "."])),
     "chat_logprobs": (CHAT, SamplingParams(max_tokens=12, logprobs=3)),
     "completion_logprobs": (PROMPT, SamplingParams(max_tokens=12, logprobs=2)),
+    "echo": (PROMPT, SamplingParams(max_tokens=4, logprobs=1, prompt_logprobs=1)),
 }
 LOGPROB_TOLERANCE = 0.05  # bfloat16: the server's batches and trees may differ from the reference's
 
@@ -289,6 +290,38 @@ def test_completion_logprobs(served):
     assert r.choices[0].logprobs.top_logprobs is None and len(r.choices[0].logprobs.tokens) == 3
 
 
+def test_completion_echo_with_prompt_logprobs(served):
+    ref, tokenizer = served.refs["echo"], served.engine.tokenizer
+    prompt_ids = served.engine.prompt_ids(PROMPT)
+    kw = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "echo": True}
+    r = served.client.completions.create(max_tokens=4, logprobs=1, **kw)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == PROMPT + ref.text
+    assert lp.tokens == [tokenizer.decode([t], skip_special_tokens=False)
+                         for t in prompt_ids + ref.token_ids]  # fmt: skip
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [e.logprob for e in ref.prompt_logprobs[1:] + ref.logprobs]
+    assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:], want)) < LOGPROB_TOLERANCE
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    assert r.usage.completion_tokens == len(ref.token_ids)
+    # Streamed: the prompt and its logprobs open the stream; offsets run on.
+    body = {**kw, "max_tokens": 4, "logprobs": 1, "stream": True}
+    with served.http.stream("POST", "/v1/completions", json=body) as resp:
+        events = [e["choices"][0] for e in _sse(resp.iter_lines()) if e != "[DONE]"]
+    assert events[0]["text"].startswith(PROMPT)
+    assert "".join(e["text"] for e in events) == r.choices[0].text
+    assert [o for e in events for o in e["logprobs"]["text_offset"]] == lp.text_offset
+    # max_tokens 0 scores the prompt alone; echo without logprobs is text only.
+    scored = served.client.completions.create(max_tokens=0, logprobs=0, **kw)
+    assert scored.choices[0].text == PROMPT and scored.usage.completion_tokens == 0
+    assert scored.choices[0].logprobs.token_logprobs[1:] == pytest.approx(
+        lp.token_logprobs[1 : len(prompt_ids)], abs=LOGPROB_TOLERANCE
+    )
+    assert scored.choices[0].logprobs.top_logprobs is None
+    plain = served.client.completions.create(max_tokens=4, **kw)
+    assert plain.choices[0].text == r.choices[0].text and plain.choices[0].logprobs is None
+
+
 # -- bad input ---------------------------------------------------------------------------------
 
 _OK = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4}
@@ -337,7 +370,9 @@ BAD = [  # (endpoint, body (dict, or raw text), status, text the message holds, 
     ("chat/completions", {**_OK_CHAT, "logprobs": True, "top_logprobs": -1}, 400,
      "top_logprobs must be between 0 and 20", "top_logprobs"),
     ("chat/completions", {**_OK_CHAT, "logprobs": 1}, 400, "valid boolean", "logprobs"),
-    ("completions", {**_OK, "echo": True}, 400, "echo is not supported", "echo"),
+    ("completions", {**_OK, "echo": "yes"}, 400, "valid boolean", "echo"),
+    ("completions", {**_OK, "logit_bias": {"5": 1}}, 400, "logit_bias is not supported",
+     "logit_bias"),
     ("completions", {**_OK, "stream_options": {"include_usage": True}}, 400,
      "only allowed when stream is true", "stream_options"),
     ("completions", {**_OK, "model": "gpt-4"}, 404, "The model 'gpt-4' does not exist", "model"),

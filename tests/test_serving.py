@@ -96,9 +96,9 @@ def test_prompts_share_a_prefill_forward_only_when_padding_is_short(tiny_pair): 
     engine = Engine(tiny_pair[0], dtype="float32")
     widths, forward_chains = [], engine.runner.forward_chains
 
-    def spy(kv, seqs, chains, prefix):
+    def spy(kv, seqs, chains, prefix, every_row=False):
         widths.append(sorted(len(c) for c in chains))
-        return forward_chains(kv, seqs, chains, prefix)
+        return forward_chains(kv, seqs, chains, prefix, every_row)
 
     engine.runner.forward_chains = spy
     out = engine.generate(prompts, params)
@@ -152,24 +152,37 @@ def test_bad_requests_are_refused_without_harm(tiny_pair):  # noqa: F811
 def test_a_short_kv_budget_makes_requests_wait_then_preempts_and_stays_exact(tiny_pair):  # noqa: F811
     """5 requests whose prompts fit the pool together but whose outputs do not: the newest are
     preempted (recomputed later, prompt and output), every output (greedy and seeded sampling)
-    equals the request run alone, incremental and speculative, and the pool ends empty."""
+    equals the request run alone, incremental and speculative, and the pool ends empty. Their
+    logprobs and prompt logprobs too: once each, whatever was recomputed."""
     target = tiny_pair[0]
-    params = [SamplingParams(max_tokens=40, ignore_eos=True),
-              SamplingParams(max_tokens=40, temperature=0.9, seed=3, ignore_eos=True)]  # fmt: skip
+    scored = {"ignore_eos": True, "logprobs": 2, "prompt_logprobs": 1}
+    params = [SamplingParams(max_tokens=40, **scored),
+              SamplingParams(max_tokens=40, temperature=0.9, seed=3, **scored)]  # fmt: skip
     prompts = [[1 + i % 5] * (3 + 4 * i) for i in range(5)]
     for kwargs in ({}, {"ssm": [tiny_pair[1], "ngram"], "tree": "2,1"}):
         alone = Engine(target, dtype="float32", **kwargs)  # a seed reproduces its config's output
-        expected = [alone.generate(p, params[i % 2])[0].token_ids for i, p in enumerate(prompts)]
+        expected = [alone.generate(p, params[i % 2])[0] for i, p in enumerate(prompts)]
         engine = Engine(target, dtype="float32", max_batch_size=5, max_model_len=64,
                         kv_budget=128, **kwargs)  # fmt: skip
         ids = [engine.add_request(p, params[i % 2]) for i, p in enumerate(prompts)]
         outs, waited = {}, False
+        logprobs, prompt_logprobs = {i: [] for i in ids}, {}
         while engine.has_unfinished():
             waited |= engine.stats()["waiting"] > 0 and engine.stats()["running"] > 0
             for out in engine.step():
                 outs.setdefault(out.request_id, []).extend(out.token_ids)
+                logprobs[out.request_id] += out.logprobs
+                if out.prompt_logprobs is not None:
+                    assert out.request_id not in prompt_logprobs  # with the first token only
+                    prompt_logprobs[out.request_id] = out.prompt_logprobs
             assert engine.stats()["kv_used_tokens"] <= engine.stats()["kv_capacity_tokens"]
-        assert [outs[i] for i in ids] == expected, kwargs
+        assert [outs[i] for i in ids] == [e.token_ids for e in expected], kwargs
+        for i, e in zip(ids, expected):
+            assert len(prompt_logprobs[i]) == len(e.prompt_logprobs) == e.prompt_tokens
+            assert prompt_logprobs[i][0] is None and len(logprobs[i]) == len(e.logprobs) == 40
+            got = [x.logprob for x in logprobs[i] + prompt_logprobs[i][1:]]
+            want = [x.logprob for x in e.logprobs + e.prompt_logprobs[1:]]
+            assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
         assert engine.stats()["preemptions_total"] > 0 and waited
         assert engine.stats()["kv_used_tokens"] == 0 and engine.kv.num_free == 5
 

@@ -29,7 +29,8 @@ class SamplingParams:
     frequency_penalty (the OpenAI API's, in [-2, 2]; 0 = off) subtract, from the logit of each
     token the output holds, the presence penalty once and the frequency penalty per occurrence.
     logprobs: None (off), or N in [0, MAX_LOGPROBS]: each generated token's log-probability
-    under the model, and the step's N most likely tokens (see `token_logprobs`).
+    under the model, and the step's N most likely tokens (see `token_logprobs`);
+    prompt_logprobs: the same for every prompt token after the first.
     """
 
     max_tokens: int = 128
@@ -43,6 +44,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -68,14 +70,16 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
-        if self.logprobs is not None and (
-            not isinstance(self.logprobs, int)
-            or isinstance(self.logprobs, bool)
-            or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise ValueError(
-                f"logprobs must be None (off) or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int)
+                or isinstance(value, bool)
+                or not 0 <= value <= MAX_LOGPROBS
+            ):
+                raise ValueError(
+                    f"{name} must be None (off) or an integer in [0, {MAX_LOGPROBS}], got {value!r}"
+                )
 
     @property
     def penalized(self) -> bool:

@@ -29,7 +29,7 @@ from specinfer.engine.sequence import Sequence as Seq
 from specinfer.engine.spec_step import logprobs_of, sample, sample_all, speculative_step
 from specinfer.layers import pack_linears
 from specinfer.offload import check_mode, offload_model
-from specinfer.sampling import SamplingParams
+from specinfer.sampling import SamplingParams, token_logprobs
 from specinfer.streaming import TextStream
 from specinfer.tokenizer import TokenizerWrapper
 from specinfer.tree import TreeConfig
@@ -254,7 +254,7 @@ class Engine:
         if self.mode == "dsi" and seq.penalties.active:
             raise ValueError("mode 'dsi' does not support repetition, presence or frequency "
                              "penalties")  # fmt: skip
-        if self.mode == "dsi" and params.logprobs is not None:
+        if self.mode == "dsi" and (params.logprobs, params.prompt_logprobs) != (None, None):
             raise ValueError("mode 'dsi' does not support logprobs (its target servers verify "
                              "in other processes and send back tokens only)")  # fmt: skip
         return seq
@@ -314,6 +314,8 @@ class Engine:
         if plan.prefill:
             t0 = time.perf_counter()
             logits = self.runner.prefill(self.kv, plan.prefill)
+            logits = [_score_prompt(s, lg) if lg is not None and lg.dim() == 2 else lg
+                      for (s, _), lg in zip(plan.prefill, logits)]  # fmt: skip
             self.runner.charge_streaming([s for s, _ in plan.prefill], streamed)
             cached = [s for (s, _), lg in zip(plan.prefill, logits) if lg is not None]
             if self.drafter and cached:
@@ -482,6 +484,16 @@ class Engine:
             by_depth += [0] * (len(tokens) - 1 - len(by_depth))
             for d in range(len(tokens) - 1):
                 by_depth[d] += 1
+
+
+def _score_prompt(seq: Seq, rows: torch.Tensor) -> torch.Tensor | None:
+    """Keep the prompt logprobs of a chunk's logits rows [n, V] (row j follows the chunk's
+    token j and scores the prompt token after it); the logits after the prompt if the chunk
+    ended it, else None."""
+    start = seq.num_computed - len(rows)
+    scored = seq.prompt_ids[start + 1 : start + 1 + len(rows)]
+    seq.prompt_logprobs += token_logprobs(rows[: len(scored)], scored, seq.params.prompt_logprobs)
+    return rows[-1] if seq.prefilled else None
 
 
 COUNTERS = ("prompt_tokens_total", "generation_tokens_total", "preemptions_total",

@@ -184,7 +184,9 @@ class ModelRunner:
 
     def prefill(self, kv, chunks: list[tuple[Sequence, int]]) -> list[torch.Tensor | None]:
         """Run the next n prompt tokens of each (sequence, n); per chunk, the logits after it
-        when it ends the prompt, else None. Chunks pad to a common width only while that width
+        when it ends the prompt, else None, or for a sequence that scores its prompt
+        (`Sequence.scores_prompt`) the logits after each of its n tokens [n, V]. Chunks pad to a
+        common width only while that width
         fits in each one's cache row after its cached tokens, and (on a CPU) while a chunk's
         padding stays within PREFILL_PADDING rows; the others run in their own forwards."""
         out: list[torch.Tensor | None] = [None] * len(chunks)
@@ -201,17 +203,22 @@ class ModelRunner:
             seqs = [chunks[i][0] for i in group]
             ids = [s.prefill_ids[s.num_computed : s.num_computed + chunks[i][1]]
                    for s, i in zip(seqs, group)]  # fmt: skip
-            logits = self.forward_chains(kv, seqs, ids, [s.num_computed for s in seqs])
-            for s, i, chain, lg in zip(seqs, group, ids, logits):
+            every_row = [s.scores_prompt for s in seqs]
+            logits = self.forward_chains(kv, seqs, ids, [s.num_computed for s in seqs],
+                                         any(every_row))  # fmt: skip
+            for s, i, chain, lg, rows in zip(seqs, group, ids, logits, every_row):
                 s.num_computed += len(chain)
-                if s.prefilled:
-                    out[i] = lg
+                if rows:
+                    out[i] = lg[: len(chain)]
+                elif s.prefilled:
+                    out[i] = lg if lg.dim() == 1 else lg[len(chain) - 1]
         return out
 
     def forward_chains(self, kv, seqs: list[Sequence], chains: list[list[int]],
-                       prefix: list[int]) -> torch.Tensor:  # fmt: skip
+                       prefix: list[int], every_row: bool = False) -> torch.Tensor:  # fmt: skip
         """Causal chains of tokens (right-padded) after each sequence's `prefix` cached tokens;
-        the logits [B, V] after each chain's last token."""
+        the logits [B, V] after each chain's last token (every_row: after each token,
+        [B, T, V])."""
         T = max(len(c) for c in chains)
         steps = torch.arange(T)
         lengths = torch.tensor([len(c) for c in chains])
@@ -224,7 +231,7 @@ class ModelRunner:
         prefix_t = torch.tensor(prefix)
         self.forwards += 1
         logits = self._call("forward", _pad(chains, 0), prefix_t[:, None] + steps, kv.table(seqs),
-                            prefix_t, mask, lengths - 1)  # fmt: skip
+                            prefix_t, mask, None if every_row else lengths - 1)  # fmt: skip
         if self.feature_sink is not None:
             self.feature_sink(seqs, prefix, self.hidden, lengths.tolist())
         return logits

@@ -33,6 +33,7 @@ def append_tokens(seq: Sequence, tokens: list[int], eos_ids: set[int],
 def output_of(seq: Sequence, delta: str = "", tokens: list[int] | None = None) -> RequestOutput:
     tokens = tokens or []
     logprobs = None if seq.logprobs is None else seq.logprobs[len(seq.logprobs) - len(tokens) :]
+    first = tokens and len(tokens) == len(seq.output_ids)
     return RequestOutput(seq.request_id, delta, tokens, seq.finish_reason is not None,
                          seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids),
-                         logprobs)  # fmt: skip
+                         logprobs, seq.prompt_logprobs if first else None)  # fmt: skip

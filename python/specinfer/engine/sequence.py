@@ -22,7 +22,8 @@ class Status(Enum):
 class Completion:
     """The result of one request. finish_reason: "stop" (EOS or a stop string), "length", or
     "abort" (aborted before it finished). logprobs: one per token id, when the request's
-    SamplingParams asked for them (else None)."""
+    SamplingParams asked for them (else None); prompt_logprobs: one per prompt token, None for
+    the first (nothing before it), when asked for."""
 
     text: str
     token_ids: list[int]
@@ -30,12 +31,13 @@ class Completion:
     prompt_tokens: int
     metrics: dict = field(default_factory=dict)
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
 class RequestOutput:
     """What one engine step produced for one request: the new text and tokens (and their
-    logprobs, when asked for)."""
+    logprobs, when asked for; the prompt's come with the first token)."""
 
     request_id: str
     text: str
@@ -45,6 +47,7 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class Sequence:
@@ -64,6 +67,9 @@ class Sequence:
         self.preemptions = 0
         self.output_ids: list[int] = []
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            [None] if params.prompt_logprobs is not None else None
+        )
         self.text = ""
         self.finish_reason: str | None = None
         self.arrival = time.perf_counter()
@@ -84,6 +90,11 @@ class Sequence:
         return (self.prompt_ids + self.output_ids)[: self.prefill_len]
 
     @property
+    def scores_prompt(self) -> bool:
+        """Whether the prompt's logprobs are still to be taken (not after a preemption)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
+
+    @property
     def prefilled(self) -> bool:
         return self.num_computed >= self.prefill_len
 
@@ -99,4 +110,4 @@ class Sequence:
         # The prefill yields the first token; each decode step yields the rest.
         m["tokens_per_step"] = (len(self.output_ids) - 1) / m["steps"] if m["steps"] else 0.0
         return Completion(self.text, self.output_ids, self.finish_reason or "length",
-                          len(self.prompt_ids), m, self.logprobs)  # fmt: skip
+                          len(self.prompt_ids), m, self.logprobs, self.prompt_logprobs)  # fmt: skip

@@ -34,6 +34,8 @@ class Choice:
     completion_tokens: int = 0
     finish_reason: str | None = None
     logprobs: list = field(default_factory=list)  # TokenLogprobs, when params.logprobs is set
+    prompt_logprobs: list | None = None  # when params.prompt_logprobs is set (the first output's)
+    score_only: bool = False  # echo with max_tokens 0: one token is generated, and not shown
 
 
 @dataclass
@@ -49,7 +51,7 @@ class Job:
     def usage(self) -> dict:
         """OpenAI's usage: each prompt counted once, every choice's completion tokens."""
         prompt = sum(len(c.prompt_ids) for c in self.choices if c.index % self.n == 0)
-        completion = sum(c.completion_tokens for c in self.choices)
+        completion = sum(c.completion_tokens for c in self.choices if not c.score_only)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}  # fmt: skip
 
@@ -62,6 +64,11 @@ def prepare(state, body: _Request, prompts: list, param: str, id_prefix: str,
     engine = state.engine
     context = engine.max_model_len
     requested, max_field = body.requested_max_tokens()
+    # OpenAI's way to score a prompt alone (echo, logprobs, max_tokens 0): the engine generates
+    # at least one token, which the response leaves out.
+    score_only = getattr(body, "echo", False) and requested == 0
+    if score_only:
+        requested = 1
     choices = []
     for p_index, prompt in enumerate(prompts):
         try:
@@ -84,7 +91,7 @@ def prepare(state, body: _Request, prompts: list, param: str, id_prefix: str,
                 "context_length_exceeded",
             )
         for i, sp in enumerate(params):
-            choices.append(Choice(p_index * body.n + i, p_index, ids, sp))
+            choices.append(Choice(p_index * body.n + i, p_index, ids, sp, score_only=score_only))
     return Job(f"{id_prefix}-{uuid.uuid4().hex}", choices, body.n)
 
 
@@ -132,6 +139,7 @@ async def choice_outputs(state, job: Job) -> AsyncIterator[tuple[Choice, object]
                 item = Aborted(c.completion_tokens)
             c.text += item.text
             c.logprobs += item.logprobs or []
+            c.prompt_logprobs = c.prompt_logprobs or item.prompt_logprobs
             c.completion_tokens = max(c.completion_tokens, item.completion_tokens)  # abort: 0
             if item.finished:
                 c.finish_reason = item.finish_reason
@@ -161,6 +169,7 @@ class Aborted:
     finished: bool = True
     finish_reason: str = "abort"
     logprobs: None = None
+    prompt_logprobs: None = None
 
 
 async def run_to_end(state, job: Job) -> None:

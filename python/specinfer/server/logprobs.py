@@ -24,18 +24,27 @@ def chat_logprobs(tokenizer, entries: list[TokenLogprob]) -> dict:
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(tokenizer, entries: list[TokenLogprob], top: int, offset: int = 0) -> dict:
-    """`offset`: where the first token starts in the choice's text (a stream's earlier chunks)."""
-    tokens = [_text(tokenizer, e.token_id) for e in entries]
-    offsets = []
-    for text in tokens:
-        offsets.append(offset)
-        offset += len(text)
-    best = None
-    if top:
-        best = [{_text(tokenizer, t): lp for t, lp in e.top} for e in entries]
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": best, "text_offset": offsets}  # fmt: skip
+class CompletionLogprobs:
+    """One choice's logprobs in the completions API's shape, a chunk at a time: text offsets run
+    on from chunk to chunk (an echoed prompt's tokens first). `top`: the most likely tokens a
+    step reports (0: none, top_logprobs null)."""
+
+    def __init__(self, tokenizer, top: int):
+        self.tokenizer, self.top, self.offset = tokenizer, top, 0
+
+    def chunk(self, token_ids: list[int], entries: list[TokenLogprob | None]) -> dict:
+        """entries[i] scores token_ids[i]; None for a prompt's first token (nothing before it)."""
+        tokens = [_text(self.tokenizer, t) for t in token_ids]
+        offsets = []
+        for text in tokens:
+            offsets.append(self.offset)
+            self.offset += len(text)
+        best = None
+        if self.top:
+            best = [None if e is None else {_text(self.tokenizer, t): lp for t, lp in e.top}
+                    for e in entries]  # fmt: skip
+        return {"tokens": tokens, "token_logprobs": [e and e.logprob for e in entries],
+                "top_logprobs": best, "text_offset": offsets}  # fmt: skip
 
 
 def _text(tokenizer, token_id: int) -> str:

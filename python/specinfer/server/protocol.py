@@ -2,7 +2,7 @@
 
 Types are checked strictly (a string is not a number, 1.5 is not an integer); values are checked
 by SamplingParams, whose ValueError names the field. Unknown fields are ignored, except OpenAI
-features this server does not implement (echo, tools, ...), which are refused when set.
+features this server does not implement (tools, logit_bias, ...), which are refused when set.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ MAX_PROMPTS = 8  # prompts in one /v1/completions request
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 # Set to anything but these, an unimplemented feature is an error rather than silently ignored.
-_UNSUPPORTED = ("echo", "suffix", "logit_bias", "tools", "functions", "response_format",
-                "best_of")  # fmt: skip
+_UNSUPPORTED = ("suffix", "logit_bias", "tools", "functions", "response_format", "best_of")
 _PARAM_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop",
                  "repetition_penalty", "presence_penalty", "frequency_penalty")  # fmt: skip
 
@@ -83,6 +82,10 @@ class _Request(BaseModel):
         """None (no logprobs), or how many most likely tokens each step reports."""
         raise NotImplementedError
 
+    def requested_prompt_logprobs(self) -> int | None:
+        """As requested_logprobs, for the prompt's tokens."""
+        return None
+
     def requested_max_tokens(self) -> tuple[int | None, str]:
         """max_completion_tokens if given, else max_tokens (None: the endpoint's default), and the
         name of the field it came from (for error messages)."""
@@ -109,6 +112,7 @@ class _Request(BaseModel):
                 presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0,
                 logprobs=self.requested_logprobs(),
+                prompt_logprobs=self.requested_prompt_logprobs(),
             )
         except ValueError as e:
             message = str(e)
@@ -130,9 +134,13 @@ def _top_count(value: int, name: str) -> int:
 class CompletionRequest(_Request):
     prompt: Any
     logprobs: StrictInt | None = None  # the most likely tokens reported a step (0: the chosen one)
+    echo: StrictBool = False  # the prompt before the completion (and its logprobs, if asked)
 
     def requested_logprobs(self) -> int | None:
         return None if self.logprobs is None else _top_count(self.logprobs, "logprobs")
+
+    def requested_prompt_logprobs(self) -> int | None:
+        return self.requested_logprobs() if self.echo else None
 
     @field_validator("prompt", mode="before")
     @classmethod
