@@ -141,6 +141,28 @@ def test_the_compiled_penalties_equal_the_torch_path(params):
         assert torch.equal(sub, ours[:, head])
 
 
+@pytest.mark.parametrize("extra", [{}, PENALTIES], ids=["bias alone", "after penalties"])
+def test_the_logit_bias_is_added_after_the_penalties(extra):
+    V, prompt, output, branches = 300, [3, 9, 120], [9, 250, 9], [[], [7], [7, 120]]
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(5)) * 4
+    bias = {7: -100, 120: 2.5, 299: 0.75}
+    pen = Penalties(SamplingParams(logit_bias=bias, **extra), prompt, V)
+    want = Penalties(SamplingParams(**extra), prompt, V).apply(logits, output, branches).clone()
+    for t, b in bias.items():
+        want[:, t] += b
+    ours = pen.apply(logits, output, branches)
+    assert torch.equal(ours, want) and torch.equal(
+        ours, pen.apply_reference(logits, output, branches)
+    )
+    head = torch.tensor([299, 7, 0, 17, 1])  # 120 outside it
+    assert torch.equal(pen.apply(logits[:, head], output, branches, head), want[:, head])
+    assert torch.equal(logits, torch.randn(3, V, generator=torch.Generator().manual_seed(5)) * 4)
+    with pytest.raises(ValueError, match="logit_bias: token ids outside the vocabulary of 300"):
+        Penalties(SamplingParams(logit_bias={300: 1.0}), prompt, V)
+    with pytest.raises(ValueError, match=r"logit_bias must map token ids .* \[-100, 100\]"):
+        SamplingParams(logit_bias={5: 101})
+
+
 def test_penalties_refuse_tokens_outside_the_vocabulary():
     pen = Penalties(SamplingParams(**PENALTIES), [1, 2], 10)
     with pytest.raises(ValueError, match="token 10 in the output is outside the vocabulary"):
@@ -215,6 +237,25 @@ def test_a_tree_batch_mixing_penalised_and_plain_greedy_requests_equals_incremen
     assert all(o.metrics["accepted_per_depth"] for o in outs[:2]), "speculation untested"
 
 
+def test_greedy_with_a_logit_bias_equals_incremental(tiny_pair):  # noqa: F811
+    """The bias alone and after the penalties: banned tokens never come, the outputs change,
+    and speculation (drafts biased too, a restricted SSM head) equals incremental decoding."""
+    target, other = tiny_pair
+    prompts = [PROMPT, [3], [5, 5, 1, 0, 2, 4, 4], [2, 3]]
+    for extra in ({}, PENALTIES):
+        plain = SamplingParams(max_tokens=24, ignore_eos=True, **extra)
+        params = SamplingParams(max_tokens=24, ignore_eos=True, logit_bias=BIAS, **extra)
+        reference = Engine(target, dtype="float32").generate(prompts, params)
+        unbiased = Engine(target, dtype="float32").generate(prompts, plain)
+        assert [r.token_ids for r in reference] != [u.token_ids for u in unbiased], "bias inert"
+        assert not any(0 in r.token_ids for r in reference)
+        spec = Engine(target, dtype="float32", ssm=[other, "ngram"], tree=["2,2,1", None],
+                      ssm_head=4, adaptive_tree=False)  # fmt: skip
+        outs = spec.generate(prompts, params)
+        assert [o.token_ids for o in outs] == [r.token_ids for r in reference], extra
+        assert any(o.metrics["accepted_per_depth"] for o in outs), "speculation untested"
+
+
 def test_greedy_check_detects_penalties_ignoring_the_node_path(tiny_pair, monkeypatch):  # noqa: F811
     """A verifier that penalises every node by the committed output alone (not its own path)
     diverges from incremental decoding: the test above can fail."""
@@ -237,10 +278,12 @@ SAMPLES = 20_000
 TEMPERATURE = 0.8
 
 
-@pytest.fixture(scope="module")
-def exact_penalised(tiny_pair):  # noqa: F811
-    """P(first 3 tokens) under incremental sampling with PENALTIES, from the target's logits
-    penalised by the reference definitions above."""
+BIAS = {0: -100, 3: 1.5}  # token 0 banned, token 3 favoured
+
+
+def _exact(tiny_pair, bias: dict) -> dict[tuple, float]:  # noqa: F811
+    """P(first 3 tokens) under incremental sampling with PENALTIES (and `bias` added after
+    them), from the target's logits penalised by the reference definitions above."""
     model = Engine(tiny_pair[0], dtype="float32").model
     probs = {(): 1.0}
     for _ in range(3):
@@ -248,6 +291,8 @@ def exact_penalised(tiny_pair):  # noqa: F811
         for prefix, p in probs.items():
             raw = _last_logits(model, PROMPT + list(prefix))
             logits = _reference(raw, PROMPT, list(prefix), 1.4, 0.6, 0.4)
+            for t, b in bias.items():
+                logits[t] += b
             dist = torch.softmax(logits / TEMPERATURE, -1)
             for t in range(VOCAB):
                 nxt[prefix + (t,)] = p * dist[t].item()
@@ -255,9 +300,14 @@ def exact_penalised(tiny_pair):  # noqa: F811
     return probs
 
 
-def _sample_first3(engine: Engine, n: int) -> dict[tuple, int]:
+@pytest.fixture(scope="module")
+def exact_penalised(tiny_pair):  # noqa: F811
+    return _exact(tiny_pair, {})
+
+
+def _sample_first3(engine: Engine, n: int, bias: dict | None = None) -> dict[tuple, int]:
     params = [SamplingParams(max_tokens=3, seed=s, ignore_eos=True, temperature=TEMPERATURE,
-                             **PENALTIES) for s in range(n)]  # fmt: skip
+                             logit_bias=bias, **PENALTIES) for s in range(n)]  # fmt: skip
     counts: dict[tuple, int] = {}
     for o in engine.generate([PROMPT] * n, params):
         counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
@@ -284,6 +334,20 @@ def test_sampling_with_penalties_matches_incremental(tiny_pair, exact_penalised,
     stat, p = _chi_squared_p(_sample_first3(engine, SAMPLES), exact_penalised, SAMPLES)
     print(f"\npenalties, {name}: chi2 = {stat:.1f}, p = {p:.3f}")
     assert p > 0.01, f"{name}: chi2 = {stat:.1f}, p = {p:.2e}"
+
+
+def test_sampling_with_a_logit_bias_matches_incremental(tiny_pair):  # noqa: F811
+    """Sampled children drafted and verified with the bias added after the penalties."""
+    target, other = tiny_pair
+    exact = _exact(tiny_pair, BIAS)
+    engine = Engine(target, dtype="float32", max_batch_size=512, ssm=other,
+                    tree=TreeConfig((3, 2), sample_children=True))  # fmt: skip
+    counts = _sample_first3(engine, SAMPLES, BIAS)
+    assert not any(0 in key for key in counts), "a banned token was sampled"
+    stat, p = _chi_squared_p(counts, exact, SAMPLES)
+    assert p > 0.01, f"chi2 = {stat:.1f}, p = {p:.2e}"
+    stat, p = _chi_squared_p(counts, _exact(tiny_pair, {}), SAMPLES)
+    assert p < 1e-6, "the bias made no difference the test can see"
 
 
 def test_the_test_detects_an_unpenalised_proposal_distribution(tiny_pair, exact_penalised,  # noqa: F811

@@ -322,6 +322,22 @@ def test_completion_echo_with_prompt_logprobs(served):
     assert plain.choices[0].text == r.choices[0].text and plain.choices[0].logprobs is None
 
 
+def test_logit_bias(served):
+    ref = served.refs["completion"]
+    kw = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+    first = str(ref.token_ids[0])
+    banned = served.client.completions.create(logit_bias={first: -100}, logprobs=1, **kw)
+    lp, banned_text = banned.choices[0].logprobs, served.engine.tokenizer.decode([ref.token_ids[0]])
+    assert lp.tokens[0] != banned_text
+    assert list(lp.top_logprobs[0]) == [banned_text]  # logprobs are the raw model's
+    forced = served.client.completions.create(logit_bias={"504": 100}, logprobs=0, **kw)
+    tokens = forced.choices[0].logprobs.tokens
+    assert tokens == [served.engine.tokenizer.decode([504])] * 6
+    chat = served.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3,
+                                                 temperature=0, logit_bias={"504": 100})  # fmt: skip
+    assert chat.choices[0].message.content == served.engine.tokenizer.decode([504] * 3)
+
+
 # -- bad input ---------------------------------------------------------------------------------
 
 _OK = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4}
@@ -371,8 +387,13 @@ BAD = [  # (endpoint, body (dict, or raw text), status, text the message holds, 
      "top_logprobs must be between 0 and 20", "top_logprobs"),
     ("chat/completions", {**_OK_CHAT, "logprobs": 1}, 400, "valid boolean", "logprobs"),
     ("completions", {**_OK, "echo": "yes"}, 400, "valid boolean", "echo"),
-    ("completions", {**_OK, "logit_bias": {"5": 1}}, 400, "logit_bias is not supported",
+    ("completions", {**_OK, "logit_bias": {"x": 1}}, 400, "logit_bias keys must be token ids",
      "logit_bias"),
+    ("chat/completions", {**_OK_CHAT, "logit_bias": {"5": 101}}, 400,
+     "logit_bias must map token ids", "logit_bias"),
+    ("completions", {**_OK, "logit_bias": {"49152": -1}}, 400,
+     "logit_bias: token ids outside the vocabulary of 49152", "logit_bias"),
+    ("completions", {**_OK, "suffix": "x"}, 400, "suffix is not supported", "suffix"),
     ("completions", {**_OK, "stream_options": {"include_usage": True}}, 400,
      "only allowed when stream is true", "stream_options"),
     ("completions", {**_OK, "model": "gpt-4"}, 404, "The model 'gpt-4' does not exist", "model"),

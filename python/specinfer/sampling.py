@@ -31,6 +31,8 @@ class SamplingParams:
     logprobs: None (off), or N in [0, MAX_LOGPROBS]: each generated token's log-probability
     under the model, and the step's N most likely tokens (see `token_logprobs`);
     prompt_logprobs: the same for every prompt token after the first.
+    logit_bias: {token id: bias in [-100, 100]} added to those tokens' logits after the
+    penalties (the OpenAI API's; -100 in effect bans a token, 100 forces it).
     """
 
     max_tokens: int = 128
@@ -45,6 +47,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -70,6 +73,14 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                and isinstance(b, (int, float)) and not isinstance(b, bool) and -100 <= b <= 100
+                for t, b in self.logit_bias.items()
+            ):  # fmt: skip
+                raise ValueError("logit_bias must map token ids (integers >= 0) to biases in "
+                                 f"[-100, 100], got {self.logit_bias!r}")  # fmt: skip
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (
@@ -88,6 +99,11 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits change before sampling: a penalty or a logit bias."""
+        return self.penalized or bool(self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -158,7 +174,8 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[To
 
 
 class Penalties:
-    """The repetition penalties of one request, applied to logits given the tokens it holds.
+    """The repetition penalties of one request, applied to logits given the tokens it holds,
+    and its logit bias, added after them.
 
     Under speculation each tree node's logits are penalised by the tokens of its own path: the
     request's committed output plus the node's branch (its ancestors below the root, and itself),
@@ -167,10 +184,21 @@ class Penalties:
 
     def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int):
         self.params, self.vocab_size = params, vocab_size
-        self.active = params.penalized  # callers skip building branches when False
+        self.active = params.adjusts_logits  # callers skip building branches when False
+        self.penalizes = params.penalized  # the bias alone needs no tokens
         self.prompt_tokens = None
-        if self.active:
+        if self.penalizes:
             self.prompt_tokens = torch.tensor(prompt_ids, dtype=torch.long).unique()
+        self.bias_ids = self.bias = None
+        if params.logit_bias:
+            outside = [t for t in params.logit_bias if t >= vocab_size]
+            if outside:
+                raise ValueError(f"logit_bias: token ids outside the vocabulary of {vocab_size}: "
+                                 f"{outside[:5]}")  # fmt: skip
+            self.bias_ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
+            self.bias = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
+            self.bias_by_token = torch.zeros(vocab_size, dtype=torch.float32)
+            self.bias_by_token[self.bias_ids] = self.bias
 
     def apply(
         self,
@@ -179,7 +207,7 @@ class Penalties:
         branches: list[list[int]] | None = None,
         vocab_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Penalised float32 logits [N, C] (unchanged when no penalty is set). Row i follows
+        """Penalised (and biased) float32 logits [N, C] (unchanged when neither is set). Row i follows
         output_ids + branches[i] (no branches: output_ids alone); column j is token
         vocab_ids[j] (default: token j). Only the columns of tokens the request holds change,
         so only those are computed (a tree's rows times the whole vocabulary would cost a
@@ -188,12 +216,28 @@ class Penalties:
         level and the target's tree, each step); elsewhere `apply_reference`."""
         if not self.active:
             return logits
+        if not self.penalizes:
+            return self._add_bias(logits.to(torch.float32, copy=True), vocab_ids)
         p = self.params
         out = ops.apply_penalties(logits, self.prompt_tokens, output_ids, branches or [], vocab_ids,
                                   self.vocab_size, p.repetition_penalty, p.presence_penalty,
                                   p.frequency_penalty)  # fmt: skip
-        return out if out is not None else self.apply_reference(logits, output_ids, branches,
-                                                                vocab_ids)  # fmt: skip
+        if out is None:
+            return self.apply_reference(logits, output_ids, branches, vocab_ids)
+        return self._add_bias(out, vocab_ids)
+
+    def _add_bias(self, out: torch.Tensor, vocab_ids: torch.Tensor | None) -> torch.Tensor:
+        """out (float32, the caller's own) with the logit bias added to its biased columns."""
+        if self.bias is None:
+            return out
+        ids, bias = self.bias_ids.to(out.device), self.bias.to(out.device)
+        if vocab_ids is None:
+            out[:, ids] += bias
+            return out
+        # A restricted head: the columns whose tokens are biased (tokens it lacks get none).
+        cols = torch.isin(vocab_ids, ids).nonzero()[:, 0]
+        out[:, cols] += self.bias_by_token.to(out.device)[vocab_ids[cols]]
+        return out
 
     def apply_reference(self, logits, output_ids, branches=None, vocab_ids=None) -> torch.Tensor:
         """`apply` (arguments as there) in torch ops, on any device: the semantics the kernel
@@ -201,6 +245,8 @@ class Penalties:
         p = self.params
         if not self.active:
             return logits
+        if not self.penalizes:
+            return self._add_bias(logits.to(torch.float32, copy=True), vocab_ids)
         branches = branches or []
         output = torch.tensor(output_ids, dtype=torch.long)
         extra = torch.tensor([t for b in branches for t in b], dtype=torch.long)
@@ -228,7 +274,7 @@ class Penalties:
         if p.presence_penalty or p.frequency_penalty:
             x = x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
         out[:, cols] = x
-        return out
+        return self._add_bias(out, vocab_ids)
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:

@@ -87,7 +87,8 @@ class Orchestrator:
         the drafter's drafts levels (torch releases the GIL in its forwards), so an answer is
         handled while the drafter computes. They share the round's state under one lock."""
         if seq.penalties.active:
-            raise ValueError("DSI does not support repetition, presence or frequency penalties")
+            raise ValueError("DSI does not support repetition, presence or frequency penalties "
+                             "or a logit bias")  # fmt: skip
         self.seq, self.emit, self.done, self.error = seq, emit, False, None
         self.m, self.jobs, self.queue = _metrics(), {}, deque()
         self.round, self.used = 0, set()

@@ -253,7 +253,7 @@ class Engine:
                   self.config.vocab_size, self.device)  # fmt: skip
         if self.mode == "dsi" and seq.penalties.active:
             raise ValueError("mode 'dsi' does not support repetition, presence or frequency "
-                             "penalties")  # fmt: skip
+                             "penalties or a logit bias")  # fmt: skip
         if self.mode == "dsi" and (params.logprobs, params.prompt_logprobs) != (None, None):
             raise ValueError("mode 'dsi' does not support logprobs (its target servers verify "
                              "in other processes and send back tokens only)")  # fmt: skip

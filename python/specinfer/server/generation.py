@@ -69,6 +69,11 @@ def prepare(state, body: _Request, prompts: list, param: str, id_prefix: str,
     score_only = getattr(body, "echo", False) and requested == 0
     if score_only:
         requested = 1
+    vocab = engine.config.vocab_size
+    outside = [t for t in body.token_bias() or {} if t >= vocab]
+    if outside:
+        raise APIError(400, f"logit_bias: token ids outside the vocabulary of {vocab}: "
+                       f"{outside[:5]}", "logit_bias")  # fmt: skip
     choices = []
     for p_index, prompt in enumerate(prompts):
         try:

@@ -2,7 +2,7 @@
 
 Types are checked strictly (a string is not a number, 1.5 is not an integer); values are checked
 by SamplingParams, whose ValueError names the field. Unknown fields are ignored, except OpenAI
-features this server does not implement (tools, logit_bias, ...), which are refused when set.
+features this server does not implement (tools, suffix, ...), which are refused when set.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ MAX_PROMPTS = 8  # prompts in one /v1/completions request
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 # Set to anything but these, an unimplemented feature is an error rather than silently ignored.
-_UNSUPPORTED = ("suffix", "logit_bias", "tools", "functions", "response_format", "best_of")
+_UNSUPPORTED = ("suffix", "tools", "functions", "response_format", "best_of")
 _PARAM_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop",
                  "repetition_penalty", "presence_penalty", "frequency_penalty")  # fmt: skip
 
@@ -47,6 +47,7 @@ class _Request(BaseModel):
     frequency_penalty: StrictFloat | None = None
     repetition_penalty: StrictFloat | None = None  # extension (HF's definition)
     ignore_eos: StrictBool = False  # extension
+    logit_bias: dict[str, StrictFloat | StrictInt] | None = None  # token id (a string) -> bias
     user: str | None = None
 
     @field_validator("stop", mode="before")
@@ -77,6 +78,15 @@ class _Request(BaseModel):
                 400, "stream_options is only allowed when stream is true", "stream_options"
             )
         self.requested_logprobs()
+
+    def token_bias(self) -> dict[int, float] | None:
+        """logit_bias with integer token ids; APIError 400 for a key that is not one."""
+        if not self.logit_bias:
+            return None
+        bad = [k for k in self.logit_bias if not k.isdigit()]
+        if bad:
+            raise APIError(400, f"logit_bias keys must be token ids, got {bad[0]!r}", "logit_bias")
+        return {int(k): float(v) for k, v in self.logit_bias.items()}
 
     def requested_logprobs(self) -> int | None:
         """None (no logprobs), or how many most likely tokens each step reports."""
@@ -113,6 +123,7 @@ class _Request(BaseModel):
                 frequency_penalty=self.frequency_penalty or 0.0,
                 logprobs=self.requested_logprobs(),
                 prompt_logprobs=self.requested_prompt_logprobs(),
+                logit_bias=self.token_bias(),
             )
         except ValueError as e:
             message = str(e)
@@ -122,6 +133,8 @@ class _Request(BaseModel):
                 message = param + message[len("max_tokens") :]
             if message.startswith("stop strings"):
                 param = "stop"
+            if message.startswith("logit_bias"):
+                param = "logit_bias"
             raise APIError(400, message, param) from e
 
 
