@@ -297,15 +297,9 @@ class Engine:
                 for s in plan.decode:
                     s.metrics["target_s"] += time.perf_counter() - t0
             else:
-                new, trees, scores = speculative_step(
-                    plan.decode,
-                    self.kv,
-                    self.runner,
-                    self.drafter,
-                    self.budget,
-                    self.verifier,
-                    self.max_tree_nodes,
-                )
+                new, trees, scores = speculative_step(plan.decode, self.kv, self.runner,
+                                                      self.drafter, self.budget, self.verifier,
+                                                      self.max_tree_nodes)  # fmt: skip
                 self._count_speculation(trees, new)
             streamed = self.runner.charge_streaming(plan.decode, streamed)
             for s, tokens, logprobs in zip(plan.decode, new, scores):
@@ -314,6 +308,7 @@ class Engine:
         if plan.prefill:
             t0 = time.perf_counter()
             logits = self.runner.prefill(self.kv, plan.prefill)
+            # A scoring prompt's chunk comes as all its rows [n, V]: its prompt logprobs.
             logits = [_score_prompt(s, lg) if lg is not None and lg.dim() == 2 else lg
                       for (s, _), lg in zip(plan.prefill, logits)]  # fmt: skip
             self.runner.charge_streaming([s for s, _ in plan.prefill], streamed)

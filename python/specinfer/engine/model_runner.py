@@ -186,32 +186,32 @@ class ModelRunner:
         """Run the next n prompt tokens of each (sequence, n); per chunk, the logits after it
         when it ends the prompt, else None, or for a sequence that scores its prompt
         (`Sequence.scores_prompt`) the logits after each of its n tokens [n, V]. Chunks pad to a
-        common width only while that width
-        fits in each one's cache row after its cached tokens, and (on a CPU) while a chunk's
-        padding stays within PREFILL_PADDING rows; the others run in their own forwards."""
+        common width only while that width fits in each one's cache row after its cached
+        tokens, and (on a CPU) while a chunk's padding stays within PREFILL_PADDING rows; the
+        others run in their own forwards, as do the scoring chunks (their every row takes the
+        LM head, which the others need at their last row only)."""
         out: list[torch.Tensor | None] = [None] * len(chunks)
         order = sorted(range(len(chunks)), key=lambda i: -chunks[i][1])
         slack = PREFILL_PADDING if self.device.type == "cpu" else None
         while order:
-            width = chunks[order[0]][1]
+            width, scoring = chunks[order[0]][1], chunks[order[0]][0].scores_prompt
             # Padding runs at positions past a chunk's end: they must exist (cache, RoPE table).
             end = min(kv.capacity, self.max_positions)
             group = [i for i in order if chunks[i][0].num_computed + width <= end
-                     and (slack is None or width - chunks[i][1] <= slack)]  # fmt: skip
+                     and (slack is None or width - chunks[i][1] <= slack)
+                     and chunks[i][0].scores_prompt == scoring]  # fmt: skip
             group = group or order[:1]
             order = [i for i in order if i not in group]
             seqs = [chunks[i][0] for i in group]
             ids = [s.prefill_ids[s.num_computed : s.num_computed + chunks[i][1]]
                    for s, i in zip(seqs, group)]  # fmt: skip
-            every_row = [s.scores_prompt for s in seqs]
-            logits = self.forward_chains(kv, seqs, ids, [s.num_computed for s in seqs],
-                                         any(every_row))  # fmt: skip
-            for s, i, chain, lg, rows in zip(seqs, group, ids, logits, every_row):
+            logits = self.forward_chains(kv, seqs, ids, [s.num_computed for s in seqs], scoring)
+            for s, i, chain, lg in zip(seqs, group, ids, logits):
                 s.num_computed += len(chain)
-                if rows:
+                if scoring:
                     out[i] = lg[: len(chain)]
                 elif s.prefilled:
-                    out[i] = lg if lg.dim() == 1 else lg[len(chain) - 1]
+                    out[i] = lg
         return out
 
     def forward_chains(self, kv, seqs: list[Sequence], chains: list[list[int]],
