@@ -260,6 +260,10 @@ def test_chat_logprobs(served):
     assert max(abs(a.logprob - b.logprob) for a, b in zip(streamed, content)) < LOGPROB_TOLERANCE
     plain = served.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4)
     assert plain.choices[0].logprobs is None
+    null = {"model": MODEL, "messages": CHAT, "max_tokens": 2, "logprobs": None}  # as some send
+    assert (
+        served.http.post("/v1/chat/completions", json=null).json()["choices"][0]["logprobs"] is None
+    )
     only_chosen = served.client.chat.completions.create(**{**kw, "top_logprobs": None})
     assert all(e.top_logprobs == [] for e in only_chosen.choices[0].logprobs.content)
 
@@ -388,6 +392,8 @@ BAD = [  # (endpoint, body (dict, or raw text), status, text the message holds, 
     ("chat/completions", {**_OK_CHAT, "logprobs": 1}, 400, "valid boolean", "logprobs"),
     ("completions", {**_OK, "echo": "yes"}, 400, "valid boolean", "echo"),
     ("completions", {**_OK, "logit_bias": {"x": 1}}, 400, "logit_bias keys must be token ids",
+     "logit_bias"),
+    ("completions", {**_OK, "logit_bias": {"²": 1}}, 400, "logit_bias keys must be token ids",
      "logit_bias"),
     ("chat/completions", {**_OK_CHAT, "logit_bias": {"5": 101}}, 400,
      "logit_bias must map token ids", "logit_bias"),

@@ -83,7 +83,7 @@ class _Request(BaseModel):
         """logit_bias with integer token ids; APIError 400 for a key that is not one."""
         if not self.logit_bias:
             return None
-        bad = [k for k in self.logit_bias if not k.isdigit()]
+        bad = [k for k in self.logit_bias if not (k.isascii() and k.isdigit())]
         if bad:
             raise APIError(400, f"logit_bias keys must be token ids, got {bad[0]!r}", "logit_bias")
         return {int(k): float(v) for k, v in self.logit_bias.items()}
@@ -147,7 +147,7 @@ def _top_count(value: int, name: str) -> int:
 class CompletionRequest(_Request):
     prompt: Any
     logprobs: StrictInt | None = None  # the most likely tokens reported a step (0: the chosen one)
-    echo: StrictBool = False  # the prompt before the completion (and its logprobs, if asked)
+    echo: StrictBool | None = False  # the prompt before the completion (and its logprobs, if asked)
 
     def requested_logprobs(self) -> int | None:
         return None if self.logprobs is None else _top_count(self.logprobs, "logprobs")
@@ -185,7 +185,7 @@ def _token_ids(x) -> bool:
 
 class ChatCompletionRequest(_Request):
     messages: list[dict]
-    logprobs: StrictBool = False
+    logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = None
 
     def requested_logprobs(self) -> int | None:
