@@ -128,9 +128,10 @@ def tree_attention(
 # 64 rows, hence its smaller blocks. On AVX2 CPUs (no AVX-512) the engine packs its weights for
 # an outer-product kernel instead (pack_linear); benchmarks/results/README.md has both layouts by
 # row count, and the float32 decode steps it saves there (torch's float32 linear is several
-# times slower than the packed kernel on such a CPU). SPECINFER_FAST_LINEAR_FP32=0 keeps float32
-# on torch (its sums are in torch's order, which moves SmolLM2's logits by ~1e-4 from ours).
-FAST_LINEAR_FP32 = os.environ.get("SPECINFER_FAST_LINEAR_FP32", "1") != "0"
+# times slower than the packed kernel on such a CPU). float32 stays opt-in for now
+# (SPECINFER_FAST_LINEAR_FP32=1): the model tests pass with it, but the one CI run with it on by
+# default failed the DSI sampling test (see benchmarks/results/README.md), not yet explained.
+FAST_LINEAR_FP32 = os.environ.get("SPECINFER_FAST_LINEAR_FP32", "0") == "1"
 FAST_LINEAR_MAX_ROWS = {torch.bfloat16: 64, torch.float32: 32}  # rows per kernel call
 
 
