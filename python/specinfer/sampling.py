@@ -160,7 +160,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[To
     lp = torch.log_softmax(logits.float(), dim=-1)
     index = torch.tensor(tokens, dtype=torch.long, device=lp.device)[:, None]
     chosen = lp.gather(-1, index)[:, 0].tolist()
-    best = [[]] * len(tokens)
+    best = [[] for _ in tokens]
     if top:
         # Ties (common in bfloat16) in token order, as argmax breaks them: a greedy token is
         # its step's first. Every token that reaches the top-th value is a candidate.
@@ -189,16 +189,12 @@ class Penalties:
         self.prompt_tokens = None
         if self.penalizes:
             self.prompt_tokens = torch.tensor(prompt_ids, dtype=torch.long).unique()
-        self.bias_ids = self.bias = None
+        self.bias_ids = self.bias_by_token = None
         if params.logit_bias:
-            outside = [t for t in params.logit_bias if t >= vocab_size]
-            if outside:
-                raise ValueError(f"logit_bias: token ids outside the vocabulary of {vocab_size}: "
-                                 f"{outside[:5]}")  # fmt: skip
+            check_logit_bias(params.logit_bias, vocab_size)
             self.bias_ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
-            self.bias = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
             self.bias_by_token = torch.zeros(vocab_size, dtype=torch.float32)
-            self.bias_by_token[self.bias_ids] = self.bias
+            self.bias_by_token[self.bias_ids] = torch.tensor(list(params.logit_bias.values()))
 
     def apply(
         self,
@@ -214,10 +210,8 @@ class Penalties:
         speculative step more than its drafting). On the CPU a compiled kernel (~50 us, where
         the torch ops took ~370, for a tree of 4 rows over 49152 tokens; it runs for each SSM
         level and the target's tree, each step); elsewhere `apply_reference`."""
-        if not self.active:
-            return logits
-        if not self.penalizes:
-            return self._add_bias(logits.to(torch.float32, copy=True), vocab_ids)
+        if not self.penalizes:  # nothing to compile: no penalty set, or the bias alone
+            return self.apply_reference(logits, output_ids, branches, vocab_ids)
         p = self.params
         out = ops.apply_penalties(logits, self.prompt_tokens, output_ids, branches or [], vocab_ids,
                                   self.vocab_size, p.repetition_penalty, p.presence_penalty,
@@ -228,15 +222,12 @@ class Penalties:
 
     def _add_bias(self, out: torch.Tensor, vocab_ids: torch.Tensor | None) -> torch.Tensor:
         """out (float32, the caller's own) with the logit bias added to its biased columns."""
-        if self.bias is None:
+        if self.bias_ids is None:
             return out
-        ids, bias = self.bias_ids.to(out.device), self.bias.to(out.device)
-        if vocab_ids is None:
-            out[:, ids] += bias
-            return out
+        ids, by_token = self.bias_ids.to(out.device), self.bias_by_token.to(out.device)
         # A restricted head: the columns whose tokens are biased (tokens it lacks get none).
-        cols = torch.isin(vocab_ids, ids).nonzero()[:, 0]
-        out[:, cols] += self.bias_by_token.to(out.device)[vocab_ids[cols]]
+        cols = ids if vocab_ids is None else torch.isin(vocab_ids, ids).nonzero()[:, 0]
+        out[:, cols] += by_token[cols if vocab_ids is None else vocab_ids[cols]]
         return out
 
     def apply_reference(self, logits, output_ids, branches=None, vocab_ids=None) -> torch.Tensor:
@@ -275,6 +266,14 @@ class Penalties:
             x = x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
         out[:, cols] = x
         return self._add_bias(out, vocab_ids)
+
+
+def check_logit_bias(bias: dict[int, float], vocab_size: int) -> None:
+    """ValueError naming the biased token ids a vocabulary of vocab_size lacks."""
+    outside = [t for t in bias if t >= vocab_size]
+    if outside:
+        raise ValueError(f"logit_bias: token ids outside the vocabulary of {vocab_size}: "
+                         f"{outside[:5]}")  # fmt: skip
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
-from specinfer.sampling import SamplingParams
+from specinfer.sampling import SamplingParams, check_logit_bias
 from specinfer.server.errors import APIError, error_body, logger
 from specinfer.server.protocol import _Request
 from specinfer.server.sse import DONE, event
@@ -69,11 +69,10 @@ def prepare(state, body: _Request, prompts: list, param: str, id_prefix: str,
     score_only = getattr(body, "echo", False) and requested == 0
     if score_only:
         requested = 1
-    vocab = engine.config.vocab_size
-    outside = [t for t in body.token_bias() or {} if t >= vocab]
-    if outside:
-        raise APIError(400, f"logit_bias: token ids outside the vocabulary of {vocab}: "
-                       f"{outside[:5]}", "logit_bias")  # fmt: skip
+    try:  # here, not when the engine takes the request: a stream has not started yet
+        check_logit_bias(body.token_bias() or {}, engine.config.vocab_size)
+    except ValueError as e:
+        raise APIError(400, str(e), "logit_bias") from e
     choices = []
     for p_index, prompt in enumerate(prompts):
         try:
