@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -342,6 +343,41 @@ def test_logit_bias(served):
     assert chat.choices[0].message.content == served.engine.tokenizer.decode([504] * 3)
 
 
+def test_structured_output(served):
+    """response_format json_schema (as the openai client's parse() sends a pydantic model's),
+    json_object, and vLLM's structured_outputs choice / regex; streamed equals not."""
+    import pydantic
+
+    class City(pydantic.BaseModel):
+        name: str
+        country: str
+        population: int
+
+    messages = [{"role": "user", "content": "Describe the largest city of Japan as JSON with its "
+                 "name, country and population."}]  # fmt: skip
+    kw = {"model": MODEL, "messages": messages, "max_tokens": 100, "temperature": 0}
+    parsed = served.client.chat.completions.parse(response_format=City, **kw)
+    assert isinstance(parsed.choices[0].message.parsed, City), parsed.choices[0].message.content
+    assert parsed.choices[0].finish_reason == "stop"
+    json_object = served.client.chat.completions.create(
+        response_format={"type": "json_object"}, **kw
+    )
+    content = json_object.choices[0].message.content
+    assert content.startswith("{")  # a model this small may run out of tokens in a string
+    assert json_object.choices[0].finish_reason == "length" or isinstance(json.loads(content), dict)
+    stream = served.client.chat.completions.create(response_format={"type": "json_object"},
+                                                   stream=True, **kw)  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == json_object.choices[0].message.content
+    choice = served.client.chat.completions.create(
+        extra_body={"structured_outputs": {"choice": ["red", "green", "blue"]}}, **kw
+    )
+    assert choice.choices[0].message.content in ("red", "green", "blue")
+    regex = served.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                             extra_body={"structured_outputs": {"regex": "[0-9]{3}"}})  # fmt: skip
+    assert re.fullmatch("[0-9]{3}", regex.choices[0].text), regex.choices[0].text
+
+
 # -- bad input ---------------------------------------------------------------------------------
 
 _OK = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4}
@@ -400,6 +436,18 @@ BAD = [  # (endpoint, body (dict, or raw text), status, text the message holds, 
     ("completions", {**_OK, "logit_bias": {"49152": -1}}, 400,
      "logit_bias: token ids outside the vocabulary of 49152", "logit_bias"),
     ("completions", {**_OK, "suffix": "x"}, 400, "suffix is not supported", "suffix"),
+    ("chat/completions", {**_OK_CHAT, "response_format": {"type": "xml"}}, 400,
+     "response_format type must be text, json_object or json_schema", "response_format"),
+    ("chat/completions", {**_OK_CHAT, "response_format": {"type": "json_schema"}}, 400,
+     "needs a 'json_schema' object with a 'schema'", "response_format"),
+    ("chat/completions", {**_OK_CHAT, "response_format": {"type": "json_schema", "json_schema":
+     {"name": "x", "schema": {"type": "nope"}}}}, 400, "json_schema is not valid", "response_format"),
+    ("completions", {**_OK, "structured_outputs": {"regex": "(a"}}, 400, "regex is not valid",
+     "structured_outputs"),
+    ("completions", {**_OK, "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400,
+     "structured_outputs must set one of", "structured_outputs"),
+    ("completions", {**_OK, "structured_outputs": {"choice": []}}, 400,
+     "choice must be a non-empty list", "structured_outputs"),
     ("completions", {**_OK, "stream_options": {"include_usage": True}}, 400,
      "only allowed when stream is true", "stream_options"),
     ("completions", {**_OK, "model": "gpt-4"}, 404, "The model 'gpt-4' does not exist", "model"),

@@ -15,6 +15,7 @@ import torch
 from specinfer import ops
 
 MAX_LOGPROBS = 20  # most likely tokens a step may report (vLLM's default cap)
+STRUCTURED = ("json_schema", "regex", "choice", "grammar")  # structured output: one at most
 
 
 @dataclass
@@ -33,6 +34,10 @@ class SamplingParams:
     prompt_logprobs: the same for every prompt token after the first.
     logit_bias: {token id: bias in [-100, 100]} added to those tokens' logits after the
     penalties (the OpenAI API's; -100 in effect bans a token, 100 forces it).
+    Structured output (at most one; see structured.py): json_schema (a dict or its JSON text;
+    {"type": "object"} for any JSON object), regex, choice (a list of strings: the output is
+    one of them) or grammar (a Lark grammar, llguidance's dialect). The output then matches it,
+    and ends when it is complete (finish_reason "stop") unless max_tokens comes first.
     """
 
     max_tokens: int = 128
@@ -48,6 +53,10 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
+    json_schema: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -81,6 +90,7 @@ class SamplingParams:
             ):  # fmt: skip
                 raise ValueError("logit_bias must map token ids (integers >= 0) to biases in "
                                  f"[-100, 100], got {self.logit_bias!r}")  # fmt: skip
+        self._check_structured()
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (
@@ -91,6 +101,33 @@ class SamplingParams:
                 raise ValueError(
                     f"{name} must be None (off) or an integer in [0, {MAX_LOGPROBS}], got {value!r}"
                 )
+
+    def _check_structured(self) -> None:
+        given = self.structured_fields
+        if len(given) > 1:
+            raise ValueError(
+                f"give at most one of json_schema, regex, choice and grammar, got {given}"
+            )
+        if not isinstance(self.json_schema, (dict, str, type(None))):
+            raise ValueError(
+                f"json_schema must be a dict or a JSON string, got {self.json_schema!r}"
+            )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None and (
+            not isinstance(self.choice, list) or not self.choice
+            or not all(isinstance(c, str) and c for c in self.choice)
+        ):  # fmt: skip
+            raise ValueError(
+                f"choice must be a non-empty list of non-empty strings, got {self.choice!r}"
+            )
+
+    @property
+    def structured_fields(self) -> list[str]:
+        """The structured-output fields set (one at most, once checked)."""
+        return [name for name in STRUCTURED if getattr(self, name) is not None]
 
     @property
     def penalized(self) -> bool:

@@ -197,6 +197,8 @@ class Speculator:
                 lg = logits[b]
                 if r.penalties.active:
                     lg = r.penalties.apply(lg, r.output_ids, tree.branches(nodes), self.head_ids)
+                if r.grammar is not None:  # so do a structured output's masks
+                    lg = r.grammar.mask_nodes(lg, tree, nodes, self.head_ids)
                 start = len(tree)
                 self._expand(tree, nodes, lg, width, r.params, r.generator, paths[b])
                 frontier[b] = range(start, len(tree))

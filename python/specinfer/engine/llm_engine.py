@@ -31,6 +31,7 @@ from specinfer.layers import pack_linears
 from specinfer.offload import check_mode, offload_model
 from specinfer.sampling import SamplingParams, token_logprobs
 from specinfer.streaming import TextStream
+from specinfer.structured import GrammarCompiler
 from specinfer.tokenizer import TokenizerWrapper
 from specinfer.tree import TreeConfig
 
@@ -229,6 +230,7 @@ class Engine:
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
+        self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, self.eos_ids)
 
     # -- serving API ----------------------------------------------------------------------------
 
@@ -257,6 +259,10 @@ class Engine:
         if self.mode == "dsi" and (params.logprobs, params.prompt_logprobs) != (None, None):
             raise ValueError("mode 'dsi' does not support logprobs (its target servers verify "
                              "in other processes and send back tokens only)")  # fmt: skip
+        if self.mode == "dsi" and params.structured_fields:
+            raise ValueError("mode 'dsi' does not support structured output (json_schema, "
+                             "regex, choice, grammar)")  # fmt: skip
+        seq.grammar = self.grammars.compile(params)
         return seq
 
     def add_sequence(self, seq: Seq) -> None:

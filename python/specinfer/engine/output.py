@@ -19,7 +19,9 @@ def append_tokens(seq: Sequence, tokens: list[int], eos_ids: set[int],
         is_eos = token in eos_ids and not seq.params.ignore_eos
         if not is_eos:
             delta += seq.stream.add(token)
-        if seq.stream.stopped or is_eos:
+        if seq.grammar is not None:
+            seq.grammar.consume(token)
+        if seq.stream.stopped or is_eos or (seq.grammar is not None and seq.grammar.stopped):
             seq.finish_reason = "stop"
         elif len(seq.prompt_ids) + len(seq.output_ids) >= seq.max_len:
             seq.finish_reason = "length"

@@ -59,6 +59,7 @@ class Sequence:
         # On the device the logits live on: torch draws with a generator of the tensor's device.
         self.generator = make_generator(params.seed, device)
         self.penalties = Penalties(params, prompt_ids, vocab_size)
+        self.grammar = None  # a structured.Grammar, set by the engine when params ask for one
         self.status = Status.WAITING
         self.row = -1  # its row in the SSMs' caches
         self.blocks: list[int] = []  # its blocks of the target's cache

@@ -135,6 +135,8 @@ def logprobs_of(
 def sample(seq: Sequence, logits: torch.Tensor) -> int:
     """The request's next token from the logits [V] after all its tokens so far."""
     logits = seq.penalties.apply(logits[None], seq.output_ids)[0]
+    if seq.grammar is not None:
+        logits = seq.grammar.mask(logits)
     return next_token(logits, seq.params, seq.generator)
 
 
@@ -156,8 +158,8 @@ def sample_all(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
 
 
 def _plain_greedy(seq: Sequence) -> bool:
-    """Greedy without penalties: the token is the argmax of the logits as they are."""
-    return seq.params.greedy and not seq.penalties.active
+    """Greedy without penalties or a grammar: the token is the argmax of the logits as they are."""
+    return seq.params.greedy and not seq.penalties.active and seq.grammar is None
 
 
 def verify_tree(seq: Sequence, tree: TokenTree, logits: torch.Tensor, verifier: str,
@@ -166,6 +168,8 @@ def verify_tree(seq: Sequence, tree: TokenTree, logits: torch.Tensor, verifier: 
     the greedy tokens of the logits' rows, when the caller took them already."""
     if seq.penalties.active:  # node u's logits as incremental decoding would after u's path
         logits = seq.penalties.apply(logits, seq.output_ids, tree.branches())
+    if seq.grammar is not None:  # and masked by the grammar's state after u's path
+        logits = seq.grammar.mask_tree(logits, tree)
     if seq.params.greedy:
         argmax = greedy_tokens(logits) if argmax is None else argmax
         return verify.verify_greedy(tree.parents, tree.tokens, argmax)

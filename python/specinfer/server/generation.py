@@ -85,6 +85,10 @@ def prepare(state, body: _Request, prompts: list, param: str, id_prefix: str,
         else:
             max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
         params = [body.sampling_params(max_tokens, i) for i in range(body.n)]
+        try:  # a schema, regex or grammar the engine cannot compile: before any stream starts
+            engine.grammars.compile(params[0])
+        except ValueError as e:
+            raise APIError(400, str(e), body.structured_param) from e
         if len(ids) + max_tokens > context:
             raise APIError(
                 400,

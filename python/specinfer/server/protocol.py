@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, field_validator
 
-from specinfer.sampling import MAX_LOGPROBS, SamplingParams
+from specinfer.sampling import MAX_LOGPROBS, STRUCTURED, SamplingParams
 from specinfer.server.errors import APIError
 
 MAX_N = 8  # choices per request (each one an engine request)
@@ -19,7 +19,7 @@ MAX_PROMPTS = 8  # prompts in one /v1/completions request
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 # Set to anything but these, an unimplemented feature is an error rather than silently ignored.
-_UNSUPPORTED = ("suffix", "tools", "functions", "response_format", "best_of")
+_UNSUPPORTED = ("suffix", "tools", "functions", "best_of")
 _PARAM_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop",
                  "repetition_penalty", "presence_penalty", "frequency_penalty")  # fmt: skip
 
@@ -48,6 +48,8 @@ class _Request(BaseModel):
     repetition_penalty: StrictFloat | None = None  # extension (HF's definition)
     ignore_eos: StrictBool = False  # extension
     logit_bias: dict[str, StrictFloat | StrictInt] | None = None  # token id (a string) -> bias
+    response_format: dict | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
+    structured_outputs: dict | None = None  # extension (vLLM's): {"json" | "regex" | ...: ...}
     user: str | None = None
 
     @field_validator("stop", mode="before")
@@ -66,8 +68,6 @@ class _Request(BaseModel):
             value = extra.get(name)
             if value in (None, False, [], {}):
                 continue
-            if name == "response_format" and value == {"type": "text"}:
-                continue
             if name == "best_of" and value in (1, self.n):
                 continue
             raise APIError(400, f"{name} is not supported by this server", name)
@@ -78,6 +78,40 @@ class _Request(BaseModel):
                 400, "stream_options is only allowed when stream is true", "stream_options"
             )
         self.requested_logprobs()
+        self.structured()
+
+    @property
+    def structured_param(self) -> str:
+        """The field a structured-output error names."""
+        return "response_format" if self.response_format else "structured_outputs"
+
+    def structured(self) -> dict:
+        """The SamplingParams fields of response_format or structured_outputs (one of them)."""
+        if self.response_format is not None and self.structured_outputs is not None:
+            raise APIError(400, "give response_format or structured_outputs, not both",
+                           "response_format")  # fmt: skip
+        if self.structured_outputs is not None:
+            fields = {"json": "json_schema", "regex": "regex", "choice": "choice",
+                      "grammar": "grammar"}  # fmt: skip
+            given = {k: v for k, v in self.structured_outputs.items() if v is not None}
+            if len(given) != 1 or next(iter(given)) not in fields:
+                raise APIError(400, "structured_outputs must set one of json, regex, choice "
+                               f"and grammar, got {sorted(given)}", "structured_outputs")  # fmt: skip
+            ((key, value),) = given.items()
+            return {fields[key]: value}
+        kind = (self.response_format or {"type": "text"}).get("type")
+        if kind == "text":
+            return {}
+        if kind == "json_object":
+            return {"json_schema": {"type": "object"}}
+        if kind == "json_schema":
+            spec = self.response_format.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise APIError(400, "response_format json_schema needs a 'json_schema' object "
+                               "with a 'schema'", "response_format")  # fmt: skip
+            return {"json_schema": spec["schema"]}
+        raise APIError(400, "response_format type must be text, json_object or json_schema, "
+                       f"got {kind!r}", "response_format")  # fmt: skip
 
     def token_bias(self) -> dict[int, float] | None:
         """logit_bias with integer token ids; APIError 400 for a key that is not one."""
@@ -124,6 +158,7 @@ class _Request(BaseModel):
                 logprobs=self.requested_logprobs(),
                 prompt_logprobs=self.requested_prompt_logprobs(),
                 logit_bias=self.token_bias(),
+                **self.structured(),
             )
         except ValueError as e:
             message = str(e)
@@ -135,6 +170,8 @@ class _Request(BaseModel):
                 param = "stop"
             if message.startswith("logit_bias"):
                 param = "logit_bias"
+            if message.split(" ", 1)[0] in STRUCTURED or message.startswith("give at most one"):
+                param = self.structured_param
             raise APIError(400, message, param) from e
 
 
