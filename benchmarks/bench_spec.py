@@ -259,8 +259,21 @@ def main() -> None:
         help="the paired section's SamplingParams, e.g. temperature=0.2,top_p=0.9,"
         "repetition_penalty=1.1 (generate's defaults; default: greedy)",
     )
+    parser.add_argument(
+        "--json-schema",
+        default=None,
+        help='the paired section\'s requests held to a JSON schema (structured output): "object" '
+        "(any JSON object) or a schema file",
+    )
     parser.add_argument("--out", default="benchmarks/results/spec.json")
     args = parser.parse_args()
+    if args.json_schema:
+        schema = (
+            {"type": "object"}
+            if args.json_schema == "object"
+            else json.loads(Path(args.json_schema).read_text())
+        )
+        args.sampling = {**(args.sampling or {}), "json_schema": schema}
     torch.set_num_threads(args.threads)
     prompts = load_prompts(args.prompts, args.prompts_file, args.chat)
     base = dict(model=args.model, dtype=args.dtype, threads=args.threads, ssm=args.ssm,
@@ -451,12 +464,14 @@ def paired(base: dict, args, prompts: list, batch: int = 1) -> dict:
             key: sum(r["breakdown_ms_per_step"][key] for r in rows) / len(rows)
             for key in ("ssm_s", "target_s", "verify_s", "commit_s")
         }
-        drafters = rows[0]["accepted_per_ssm"]
+        # A run whose requests all ended before a decode step (a structured output complete at
+        # its first token) names no drafter: take the names from every run.
+        drafters = dict.fromkeys(d for r in rows for d in r["accepted_per_ssm"])
         # What each drafter cost a step, and the accepted tokens only its tree held (a token
         # in two drafters' trees counts for both).
         result[name]["per_ssm"] = {
-            d: {"ms_per_step": sum(r["breakdown_ms_per_step"]["per_ssm"][d] for r in rows) / len(rows),
-                "accepted_tokens": sum(r["accepted_per_ssm"][d] for r in rows)}
+            d: {"ms_per_step": sum(r["breakdown_ms_per_step"]["per_ssm"].get(d, 0.0) for r in rows) / len(rows),
+                "accepted_tokens": sum(r["accepted_per_ssm"].get(d, 0) for r in rows)}
             for d in drafters
         }  # fmt: skip
     base_ms = result.get("incremental", {}).get("ms_per_token")

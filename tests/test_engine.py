@@ -1,5 +1,7 @@
 """Engine behaviour on the default model: API, streaming, stop rules, batching, bad input."""
 
+import json
+
 import pytest
 
 from specinfer import Engine, SamplingParams
@@ -112,6 +114,10 @@ def test_cli_streams_a_completion(smollm_gguf, capsys):
         (["--temperature", "0", "--repetition-penalty", "1.2"], {"repetition_penalty": 1.2}),
         (["--presence-penalty", "0.5", "--frequency-penalty", "0.25", "--top-k", "40"],
          {"presence_penalty": 0.5, "frequency_penalty": 0.25, "top_k": 40}),
+        (["--json-schema", "object"], {"json_schema": {"type": "object"}}),
+        (["--json-schema", '{"type": "array"}'], {"json_schema": '{"type": "array"}'}),
+        (["--regex", "[0-9]+"], {"regex": "[0-9]+", "json_schema": None}),
+        (["--choice", "yes", "--choice", "no"], {"choice": ["yes", "no"]}),
     ],
 )  # fmt: skip
 def test_cli_sampling_defaults(smollm_gguf, monkeypatch, capsys, flags, expected):
@@ -125,6 +131,18 @@ def test_cli_sampling_defaults(smollm_gguf, monkeypatch, capsys, flags, expected
     )
     (params,) = seen
     assert {k: getattr(params, k) for k in expected} == expected
+
+
+def test_cli_json_schema_from_a_file(smollm_gguf, tmp_path, capsys):
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"ok": {"type": "boolean"}}, '
+                      '"required": ["ok"], "additionalProperties": false}')  # fmt: skip
+    rc = cli_main(["generate", "Is Paris in France?", "--model", str(smollm_gguf), "--max-tokens",
+                   "16", "--temperature", "0", "--json-schema", str(schema)])  # fmt: skip
+    assert rc == 0
+    assert json.loads(capsys.readouterr().out) in ({"ok": True}, {"ok": False})
+    rc = cli_main(["generate", "hi", "--model", str(smollm_gguf), "--regex", "(a"])
+    assert rc == 2 and "regex is not valid" in capsys.readouterr().err
 
 
 def test_cli_reports_bad_arguments(capsys):

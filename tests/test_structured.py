@@ -117,6 +117,31 @@ def test_sampling_under_a_regex_matches_the_masked_distribution(tiny_bytes, tree
     assert p > 0.01, f"chi2 = {stat:.1f}, p = {p:.2e}"
 
 
+def test_a_failing_grammar_ends_its_request_alone(tiny_bytes, monkeypatch, caplog):
+    """A matcher that refuses a token (a bug, ours or llguidance's) aborts that request, logged;
+    the others in its batch run on as alone."""
+    from specinfer import structured
+
+    engine = Engine(tiny_bytes, dtype="float32", ssm="layers:1", tree="2,2")
+    alone = engine.generate([[3]], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    consume = structured.Grammar.consume
+
+    def failing(self, token):
+        if len(self.history) == 2:
+            self.error = "refused for the test"
+            return False
+        self.history.append(token)
+        return consume(self, token)
+
+    monkeypatch.setattr(structured.Grammar, "history", [], raising=False)
+    monkeypatch.setattr(structured.Grammar, "consume", failing)
+    outs = engine.generate([PROMPT, [3]], [SamplingParams(max_tokens=8, regex=REGEX),
+                                           SamplingParams(max_tokens=8, ignore_eos=True)])  # fmt: skip
+    assert outs[0].finish_reason == "abort" and len(outs[0].token_ids) == 2
+    assert outs[1].token_ids == alone.token_ids
+    assert "its grammar failed (refused for the test)" in caplog.text
+
+
 SCHEMA = {
     "type": "object",
     "properties": {"name": {"type": "string"}, "age": {"type": "integer"},

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from specinfer.training import command as training_command
 
@@ -125,6 +126,19 @@ def main(argv: list[str] | None = None) -> int:
         help="split the layers into M stages, one process (or TP group) each (default 1)",
     )
     add_offload_args(gen)
+    gen.add_argument(
+        "--json-schema",
+        default=None,
+        help="structured output: the answer is JSON matching this schema (JSON text, a file "
+        'holding it, or "object" for any JSON object)',
+    )
+    gen.add_argument("--regex", default=None, help="structured output: the answer matches it")
+    gen.add_argument(
+        "--choice",
+        action="append",
+        default=None,
+        help="structured output: the answer is one of these strings (repeat it)",
+    )
     gen.add_argument("--stats", action="store_true", help="print decoding statistics to stderr")
     gen.add_argument(
         "--chat",
@@ -158,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
             repetition_penalty=args.repetition_penalty,
             presence_penalty=args.presence_penalty,
             frequency_penalty=frequency,
+            json_schema=_json_schema(args.json_schema),
+            regex=args.regex,
+            choice=args.choice,
         )
         with engine_from_args(args) as engine:  # stops any worker or server processes
             use_chat = args.chat if args.chat is not None else bool(engine.tokenizer.chat_template)
@@ -172,6 +189,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specinfer: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _json_schema(value: str | None) -> dict | str | None:
+    """--json-schema: "object", a file holding the schema, or the schema's JSON text."""
+    if value is None or value == "object":
+        return None if value is None else {"type": "object"}
+    path = Path(value)
+    return path.read_text() if not value.lstrip().startswith("{") and path.is_file() else value
 
 
 def _add_serve_parser(sub) -> None:

@@ -44,10 +44,14 @@ class GrammarCompiler:
     def compile(self, params) -> Grammar | None:
         """The request's Grammar, or None when it asks for none; ValueError naming the field
         for a schema, regex or grammar llguidance rejects."""
-        source = grammar_source(params)
+        import llguidance
+
+        try:
+            source = grammar_source(params)
+        except ValueError as e:  # a json_schema string that is not JSON
+            raise ValueError(f"{params.structured_fields[0]} is not valid: {e}") from e
         if source is None:
             return None
-        import llguidance
 
         if self._llg_tokenizer is None:
             if not self.eos_ids:
@@ -64,22 +68,27 @@ class GrammarCompiler:
 
 class Grammar:
     """One request's grammar state, after the tokens it generated so far. EOS is never fed to
-    the matcher (llguidance cannot roll an EOS back): it ends the output, so nothing follows it."""
+    the matcher (llguidance cannot roll an EOS back): it ends the output, so nothing follows it.
+    A matcher that fails (refuses a token its own mask allowed, or a rollback: a bug, ours or
+    llguidance's) sets `error`; the engine then ends that request alone ("abort", logged)."""
 
     def __init__(self, matcher, vocab_size: int, eos_ids: set[int]):
         self.matcher, self.vocab_size, self.eos_ids = matcher, vocab_size, eos_ids
         self.ended = False
+        self.error: str | None = None
 
     @property
     def stopped(self) -> bool:
         """The output is complete: EOS came, or the grammar allows nothing else."""
         return self.ended or self.matcher.is_stopped()
 
-    def consume(self, token: int) -> None:
-        if token in self.eos_ids and self.matcher.is_accepting():
+    def consume(self, token: int) -> bool:
+        """Advance past a generated token; False (and `error` set) if the grammar refuses it."""
+        if self.error is None and token in self.eos_ids and self.matcher.is_accepting():
             self.ended = True
-        elif not self.matcher.consume_token(token):
-            raise RuntimeError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+        elif self.error is None and not self.matcher.consume_token(token):
+            self.error = f"token {token} refused: {self.matcher.get_error()}"
+        return self.error is None
 
     def allowed(self) -> torch.Tensor:
         """Bool [V]: the tokens the grammar allows next."""
@@ -103,9 +112,9 @@ class Grammar:
         allowed = self.allowed()
         out[node].masked_fill_(~allowed, float("-inf"))
         for token, child in tree.children[node].items():
-            if allowed[token] and token not in self.eos_ids and self.matcher.consume_token(token):
+            if allowed[token] and token not in self.eos_ids and self._take(token):
                 self._mask_below(out, tree, child)
-                self.matcher.rollback(1)
+                self._rollback(1)
 
     def mask_nodes(self, logits: torch.Tensor, tree, nodes: list[int],
                    columns: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
@@ -122,5 +131,14 @@ class Grammar:
                 if allowed.any():
                     out[i].masked_fill_(~allowed, float("-inf"))
             if taken:
-                self.matcher.rollback(taken)
+                self._rollback(taken)
         return out
+
+    def _take(self, token: int) -> bool:
+        if self.error is None and not self.matcher.consume_token(token):
+            self.error = f"token {token} refused though allowed: {self.matcher.get_error()}"
+        return self.error is None
+
+    def _rollback(self, n: int) -> None:
+        if self.error is None and not self.matcher.rollback(n):
+            self.error = f"could not roll back {n} tokens: {self.matcher.get_error()}"

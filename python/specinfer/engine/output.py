@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+
 from specinfer.engine.sequence import RequestOutput, Sequence
 from specinfer.sampling import TokenLogprob
+
+log = logging.getLogger("specinfer.engine")
 
 
 def append_tokens(seq: Sequence, tokens: list[int], eos_ids: set[int],
@@ -12,6 +16,12 @@ def append_tokens(seq: Sequence, tokens: list[int], eos_ids: set[int],
     finishes the request (the rest are dropped)."""
     delta, added = "", []
     for i, token in enumerate(tokens):
+        if seq.grammar is not None and not seq.grammar.consume(token):
+            log.warning("request %s ended: its grammar failed (%s)", seq.request_id,
+                        seq.grammar.error)  # fmt: skip
+            seq.finish_reason = "abort"
+            delta += seq.stream.finish()
+            break
         seq.output_ids.append(token)
         added.append(token)
         if seq.logprobs is not None:
@@ -19,8 +29,6 @@ def append_tokens(seq: Sequence, tokens: list[int], eos_ids: set[int],
         is_eos = token in eos_ids and not seq.params.ignore_eos
         if not is_eos:
             delta += seq.stream.add(token)
-        if seq.grammar is not None:
-            seq.grammar.consume(token)
         if seq.stream.stopped or is_eos or (seq.grammar is not None and seq.grammar.stopped):
             seq.finish_reason = "stop"
         elif len(seq.prompt_ids) + len(seq.output_ids) >= seq.max_len:

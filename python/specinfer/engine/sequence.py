@@ -20,8 +20,9 @@ class Status(Enum):
 
 @dataclass
 class Completion:
-    """The result of one request. finish_reason: "stop" (EOS or a stop string), "length", or
-    "abort" (aborted before it finished). logprobs: one per token id, when the request's
+    """The result of one request. finish_reason: "stop" (EOS, a stop string, or a structured
+    output complete), "length", or "abort" (aborted before it finished, or its grammar failed:
+    logged). logprobs: one per token id, when the request's
     SamplingParams asked for them (else None); prompt_logprobs: one per prompt token, None for
     the first (nothing before it), when asked for."""
 
