@@ -107,7 +107,8 @@ def test_unrolled_training_forward_is_the_serving_draft(tiny_pair, layers):  # n
     spec.admit(0)
     r = len(context) - 1  # the root's slot
     req = SimpleNamespace(row=0, params=SamplingParams(), generator=None,
-                          penalties=Penalties(SamplingParams(), PROMPT, 6), output_ids=[])  # fmt: skip
+                          penalties=Penalties(SamplingParams(), PROMPT, 6), output_ids=[],
+                          grammar=None)  # fmt: skip
     spec.write_features([req], [0], features[None], [r])  # the target has cached slots < r
     with torch.inference_mode():
         (tree,) = spec.draft([req], [context], [3])

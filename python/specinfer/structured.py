@@ -35,7 +35,7 @@ def grammar_source(params) -> str | None:
 
 class GrammarCompiler:
     """Builds a request's Grammar against one tokenizer; the tokenizer's llguidance form is made
-    on first use (about a second for a 50k vocabulary) and kept."""
+    on first use (0.3 s for the default model's 49k vocabulary here) and kept."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids: set[int]):
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, sorted(eos_ids)
@@ -44,15 +44,14 @@ class GrammarCompiler:
     def compile(self, params) -> Grammar | None:
         """The request's Grammar, or None when it asks for none; ValueError naming the field
         for a schema, regex or grammar llguidance rejects."""
+        if not params.structured_fields:
+            return None
         import llguidance
 
         try:
             source = grammar_source(params)
         except ValueError as e:  # a json_schema string that is not JSON
             raise ValueError(f"{params.structured_fields[0]} is not valid: {e}") from e
-        if source is None:
-            return None
-
         if self._llg_tokenizer is None:
             if not self.eos_ids:
                 raise ValueError("structured output needs a model with an EOS token")
@@ -91,10 +90,15 @@ class Grammar:
         return self.error is None
 
     def allowed(self) -> torch.Tensor:
-        """Bool [V]: the tokens the grammar allows next."""
-        bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), np.uint8),
-                             bitorder="little")  # fmt: skip
-        return torch.from_numpy(bits[: self.vocab_size].astype(bool))
+        """Bool [V]: the tokens the grammar allows next. Every token once the matcher failed
+        (its request ends at its next token; an all-forbidden row would break sampling)."""
+        if self.error is None:
+            bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), np.uint8),
+                                 bitorder="little")[: self.vocab_size]  # fmt: skip
+            if bits.any():
+                return torch.from_numpy(bits.astype(bool))
+            self.error = f"the grammar allows no token: {self.matcher.get_error()}"
+        return torch.ones(self.vocab_size, dtype=torch.bool)
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [V] with the tokens the grammar forbids next at -inf."""
