@@ -193,10 +193,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _json_schema(value: str | None) -> dict | str | None:
     """--json-schema: "object", a file holding the schema, or the schema's JSON text."""
-    if value is None or value == "object":
-        return None if value is None else {"type": "object"}
-    path = Path(value)
-    return path.read_text() if not value.lstrip().startswith("{") and path.is_file() else value
+    if value == "object":
+        return {"type": "object"}
+    if value is not None and not value.lstrip().startswith("{") and Path(value).is_file():
+        return Path(value).read_text()
+    return value
 
 
 def _add_serve_parser(sub) -> None:

@@ -73,6 +73,10 @@ def prepare(state, body: _Request, prompts: list, param: str, id_prefix: str,
         check_logit_bias(body.token_bias() or {}, engine.config.vocab_size)
     except ValueError as e:
         raise APIError(400, str(e), "logit_bias") from e
+    try:  # a schema, regex or grammar the engine cannot compile, once for all choices
+        engine.grammars.compile(SamplingParams(**body.structured()))
+    except ValueError as e:
+        raise APIError(400, str(e), body.structured_param) from e
     choices = []
     for p_index, prompt in enumerate(prompts):
         try:
@@ -85,10 +89,6 @@ def prepare(state, body: _Request, prompts: list, param: str, id_prefix: str,
         else:
             max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
         params = [body.sampling_params(max_tokens, i) for i in range(body.n)]
-        try:  # a schema, regex or grammar the engine cannot compile: before any stream starts
-            engine.grammars.compile(params[0])
-        except ValueError as e:
-            raise APIError(400, str(e), body.structured_param) from e
         if len(ids) + max_tokens > context:
             raise APIError(
                 400,
