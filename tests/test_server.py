@@ -378,6 +378,53 @@ def test_structured_output(served):
     assert re.fullmatch("[0-9]{3}", regex.choices[0].text), regex.choices[0].text
 
 
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                    "required": ["city"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "description": "The time in a timezone",
+     "parameters": {"type": "object", "properties": {"timezone": {"type": "string"}},
+                    "required": ["timezone"], "additionalProperties": False}}},
+]  # fmt: skip
+
+
+def test_tool_calls(served):
+    """tool_choice required / named: the answer is tool calls (finish "tool_calls"), their
+    arguments match the tool's schema, streamed as not; a conversation with the calls and the
+    tool's answer goes on; auto: streamed equals not, whatever the model chose."""
+    messages = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    kw = {"model": MODEL, "messages": messages, "tools": TOOLS, "temperature": 0, "max_tokens": 60,
+          "parallel_tool_calls": False}  # fmt: skip
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for choice, names in (("required", {"get_weather", "get_time"}), (named, {"get_time"})):
+        answer = served.client.chat.completions.create(tool_choice=choice, **kw).choices[0]
+        assert answer.finish_reason == "tool_calls" and answer.message.content is None
+        (call,) = answer.message.tool_calls
+        assert call.type == "function" and call.function.name in names
+        key = "city" if call.function.name == "get_weather" else "timezone"
+        arguments = json.loads(call.function.arguments)
+        assert list(arguments) == [key] and isinstance(arguments[key], str)
+        chunks = list(served.client.chat.completions.create(tool_choice=choice, stream=True, **kw))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert not "".join(d.content or "" for d in deltas)
+        (streamed,) = [t for d in deltas for t in d.tool_calls or []]
+        assert (streamed.function.name, streamed.function.arguments) == (
+            call.function.name, call.function.arguments)  # fmt: skip
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # The calls and the tool's answer, as a client sends them back.
+    history = [*messages, answer.message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": "12:00"}]  # fmt: skip
+    follow = served.client.chat.completions.create(**{**kw, "messages": history})
+    assert follow.choices[0].message.content or follow.choices[0].message.tool_calls
+    auto = served.client.chat.completions.create(**kw).choices[0]
+    chunks = list(served.client.chat.completions.create(stream=True, **kw))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert ("".join(d.content or "" for d in deltas) or None) == auto.message.content
+    streamed = [(t.function.name, t.function.arguments) for d in deltas for t in d.tool_calls or []]
+    assert streamed == [(t.function.name, t.function.arguments)
+                        for t in auto.message.tool_calls or []]  # fmt: skip
+
+
 # -- bad input ---------------------------------------------------------------------------------
 
 _OK = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4}
@@ -448,6 +495,21 @@ BAD = [  # (endpoint, body (dict, or raw text), status, text the message holds, 
      "structured_outputs must set one of", "structured_outputs"),
     ("completions", {**_OK, "structured_outputs": {"choice": []}}, 400,
      "choice must be a non-empty list", "structured_outputs"),
+    ("completions", {**_OK, "tools": TOOLS}, 400, "tools is not supported", "tools"),
+    ("chat/completions", {**_OK_CHAT, "tool_choice": "required"}, 400, "tool_choice needs tools",
+     "tool_choice"),
+    ("chat/completions", {**_OK_CHAT, "tools": [{"type": "function", "function": {"name": "a b"}}]},
+     400, "function.name must be 1-64 letters", "tools"),
+    ("chat/completions", {**_OK_CHAT, "tools": TOOLS, "tool_choice": {"type": "function",
+     "function": {"name": "nope"}}}, 400, "tool_choice must name one of the tools", "tool_choice"),
+    ("chat/completions", {**_OK_CHAT, "tools": TOOLS, "tool_choice": "required",
+     "response_format": {"type": "json_object"}}, 400, "cannot be combined with response_format",
+     "tool_choice"),
+    ("chat/completions", {**_OK_CHAT, "tools": [{"type": "function", "function": {"name": "f",
+     "parameters": {"type": "nope"}}}], "tool_choice": "required"}, 400,
+     "a tool's parameters are not a valid JSON schema", "tools"),
+    ("chat/completions", {**_OK_CHAT, "messages": [{"role": "assistant", "tool_calls": [{}]}]}, 400,
+     "messages[0].tool_calls[0] needs a function", "messages"),
     ("completions", {**_OK, "stream_options": {"include_usage": True}}, 400,
      "only allowed when stream is true", "stream_options"),
     ("completions", {**_OK, "model": "gpt-4"}, 404, "The model 'gpt-4' does not exist", "model"),

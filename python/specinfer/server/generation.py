@@ -76,7 +76,7 @@ def prepare(state, body: _Request, prompts: list, param: str, id_prefix: str,
     try:  # a schema, regex or grammar the engine cannot compile, once for all choices
         engine.grammars.compile(SamplingParams(**body.structured()))
     except ValueError as e:
-        raise APIError(400, str(e), body.structured_param) from e
+        raise body.structured_error(str(e)) from e
     choices = []
     for p_index, prompt in enumerate(prompts):
         try:

@@ -2,17 +2,18 @@
 
 Types are checked strictly (a string is not a number, 1.5 is not an integer); values are checked
 by SamplingParams, whose ValueError names the field. Unknown fields are ignored, except OpenAI
-features this server does not implement (tools, suffix, ...), which are refused when set.
+features this server does not implement (suffix, functions, ...), which are refused when set.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, field_validator
 
 from specinfer.sampling import MAX_LOGPROBS, STRUCTURED, SamplingParams
 from specinfer.server.errors import APIError
+from specinfer.server.tools import Tools, parse_tools, render_tool_calls
 
 MAX_N = 8  # choices per request (each one an engine request)
 MAX_PROMPTS = 8  # prompts in one /v1/completions request
@@ -31,6 +32,7 @@ class StreamOptions(BaseModel):
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
+    unsupported: ClassVar[tuple[str, ...]] = _UNSUPPORTED
 
     model: str
     stream: StrictBool = False
@@ -64,7 +66,7 @@ class _Request(BaseModel):
     def check(self) -> None:
         """Errors pydantic cannot see: unimplemented features, n, stream_options."""
         extra = self.model_extra or {}
-        for name in _UNSUPPORTED:
+        for name in self.unsupported:
             value = extra.get(name)
             if value in (None, False, [], {}):
                 continue
@@ -84,6 +86,10 @@ class _Request(BaseModel):
     def structured_param(self) -> str:
         """The field a structured-output error names."""
         return "response_format" if self.response_format else "structured_outputs"
+
+    def structured_error(self, message: str) -> APIError:
+        """The 400 for a schema, regex or grammar the engine cannot compile."""
+        return APIError(400, message, self.structured_param)
 
     def structured(self) -> dict:
         """The SamplingParams fields of response_format or structured_outputs (one of them)."""
@@ -221,9 +227,34 @@ def _token_ids(x) -> bool:
 
 
 class ChatCompletionRequest(_Request):
+    unsupported: ClassVar[tuple[str, ...]] = tuple(n for n in _UNSUPPORTED if n != "tools")
     messages: list[dict]
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: StrictBool | None = None
+
+    def tool_set(self) -> Tools | None:
+        """The tools the model may call (None: none, or tool_choice "none")."""
+        return parse_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def structured_error(self, message: str) -> APIError:
+        tools = self.tool_set()
+        if tools and tools.forced:  # the grammar is made of the tools' parameters schemas
+            return APIError(400, f"a tool's parameters are not a valid JSON schema ({message})",
+                            "tools")  # fmt: skip
+        return super().structured_error(message)
+
+    def structured(self) -> dict:
+        """A forced tool call's grammar, or response_format's / structured_outputs' fields."""
+        tools = self.tool_set()
+        if not (tools and tools.forced):
+            return super().structured()
+        if self.response_format is not None or self.structured_outputs is not None:
+            raise APIError(400, "a required or named tool_choice cannot be combined with "
+                           "response_format or structured_outputs", "tool_choice")  # fmt: skip
+        return {"grammar": tools.grammar()}
 
     def requested_logprobs(self) -> int | None:
         if not self.logprobs:
@@ -235,7 +266,8 @@ class ChatCompletionRequest(_Request):
     @field_validator("messages")
     @classmethod
     def _messages(cls, messages):
-        """Each message {role, content}; content a string or a list of text parts (joined)."""
+        """Each message {role, content}; content a string or a list of text parts (joined). An
+        assistant message's tool_calls are written into its content (tools.py's format)."""
         if not messages:
             raise ValueError("messages must not be empty")
         out = []
@@ -251,6 +283,8 @@ class ChatCompletionRequest(_Request):
                         raise ValueError(f"messages[{i}]: only text content parts are supported")
                     parts.append(part["text"])
                 content = "".join(parts)
+            if role == "assistant" and m.get("tool_calls"):
+                content = render_tool_calls(content, m["tool_calls"], f"messages[{i}]")
             if not isinstance(content, str):
                 raise ValueError(f"messages[{i}] needs 'content': a string or a list of text parts")
             out.append({"role": role, "content": content})
