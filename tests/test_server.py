@@ -411,6 +411,19 @@ def test_tool_calls(served):
         assert (streamed.function.name, streamed.function.arguments) == (
             call.function.name, call.function.arguments)  # fmt: skip
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # The client's own helper: a pydantic model as a strict tool, its arguments parsed back.
+    import pydantic
+
+    class GetWeather(pydantic.BaseModel):
+        """The weather in a city."""
+
+        city: str
+
+    tool = openai.pydantic_function_tool(GetWeather)
+    parsed = served.client.chat.completions.parse(
+        **{**kw, "tools": [tool], "tool_choice": "required"}
+    ).choices[0]
+    assert isinstance(parsed.message.tool_calls[0].function.parsed_arguments, GetWeather)
     # The calls and the tool's answer, as a client sends them back.
     history = [*messages, answer.message.model_dump(exclude_none=True),
                {"role": "tool", "tool_call_id": call.id, "content": "12:00"}]  # fmt: skip
