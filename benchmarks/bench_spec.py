@@ -58,7 +58,7 @@ import json
 import pydoc
 import re
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from unittest.mock import patch
@@ -69,7 +69,6 @@ from tqdm import tqdm
 from results_io import save
 from specinfer import Engine, SamplingParams, ops
 from specinfer.drafting import is_lookup_spec
-from specinfer.suffix import SuffixDrafter
 from specinfer.training.evaluate import target_tokens, topk_agreement
 from specinfer.tree import TreeConfig
 
@@ -141,10 +140,7 @@ def latency_ms(engine: Engine, prompts: list, tokens: int, batch: int, sampling=
     # learned its costs and rates, as in a server that has run a while (two tokens left a batch
     # of 16 learning, at over twice the steady step time, for much of the first group). A
     # suffix drafter forgets it: it must not draft the first group's answers from themselves.
-    with ExitStack() as stack:
-        for s in engine.drafter.ssms if engine.drafter else []:
-            if isinstance(s, SuffixDrafter):
-                stack.enter_context(s.unrecorded())
+    with engine.unrecorded():
         run(groups[0], tokens)
     decode_ms, outs, leads = [], [], []
     for group in groups:

@@ -150,3 +150,33 @@ def test_cli_reports_bad_arguments(capsys):
     assert "not found" in capsys.readouterr().err
     assert cli_main(["generate", "hi", "--max-tokens", "-1"]) == 2
     assert "max_tokens" in capsys.readouterr().err
+
+
+def test_a_warm_up_records_graphs_and_leaves_no_other_trace(smollm_gguf):
+    """Engine.warm_up: the op graphs of the shapes it met are recorded (what it is for); the
+    counters of stats() and the suffix drafter's history are as before it. A request after it
+    is decoded as by a fresh engine (greedy)."""
+    from specinfer.suffix import SuffixDrafter
+
+    def fresh():
+        return Engine(smollm_gguf, dtype="bfloat16", ssm=["ngram", "suffix"])
+
+    engine, params = fresh(), SamplingParams(max_tokens=12, temperature=0)
+    (suffix,) = [s for s in engine.drafter.ssms if isinstance(s, SuffixDrafter)]
+    before, served = engine.stats(), len(suffix.history.tokens)
+    engine.warm_up(requests=2, tokens=8)
+    graphs = engine.runner.graphs
+    assert graphs._graphs and graphs.replays > 0, "no op graph recorded or replayed"
+    assert engine.stats() == before
+    assert len(suffix.history.tokens) == served
+    prompt = "The capital of France is"
+    assert (
+        engine.generate(prompt, params)[0].token_ids
+        == fresh().generate(prompt, params)[0].token_ids
+    )
+    # What is served after it is recorded again.
+    assert engine.stats()["prompt_tokens_total"] > 0
+    engine.generate(
+        "Another prompt", params
+    )  # the first one joins the history when its row is reused
+    assert len(suffix.history.tokens) > served

@@ -669,6 +669,9 @@ def test_serve_subprocess_sigterm(smollm_gguf, tmp_path):
                     pass
                 time.sleep(0.2)
             assert f"specinfer: serving {MODEL} on http://127.0.0.1:{port}" in logs()
+            # The server warmed up on requests of its own (Engine.warm_up), which it does not count.
+            assert re.search(r"^specinfer:prompt_tokens_total 0\.0$", http.get("/metrics").text,
+                             re.MULTILINE)  # fmt: skip
             client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", timeout=60, max_retries=0)
             r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
             assert r.choices[0].text and r.usage.completion_tokens >= 1

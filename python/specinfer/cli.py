@@ -262,6 +262,14 @@ def _add_serve_parser(sub) -> None:
         "wait or are preempted when it is full (default: that product)",
     )
     serve.add_argument(
+        "--no-warm-up",
+        dest="warm_up",
+        action="store_false",
+        help="answer /health as soon as the model is loaded, without first serving two short "
+        "requests of its own (they record the op graphs the first clients would wait for; "
+        "skipped with --offload)",
+    )
+    serve.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,

@@ -9,9 +9,11 @@ model_runner (the target's forwards), spec_step (draft, cut, verify, commit), ou
 
 from __future__ import annotations
 
+import copy
 import itertools
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
@@ -37,6 +39,7 @@ from specinfer.tree import TreeConfig
 
 Prompt = str | list[int] | list[dict]  # text, token ids, or chat messages
 DEFAULT_MAX_MODEL_LEN = 2048  # tokens per request unless the model's context is shorter
+WARM_UP_REQUESTS = 2  # the second still records shapes the first did not reach
 
 
 class Engine:
@@ -340,6 +343,33 @@ class Engine:
             "kv_used_tokens": self.kv.used_tokens(),
             "kv_capacity_tokens": self.kv.num_blocks * self.kv.block_len,
         }
+
+    @contextmanager
+    def unrecorded(self) -> Iterator[None]:
+        """What is served inside leaves no trace in what later requests meet: the suffix
+        drafters' history (so a warm-up's or a benchmark's own answers are not drafted back)
+        and the counters of stats(). The op graphs recorded and the costs the cut learned stay:
+        they are what a warm-up is for."""
+        counters = copy.deepcopy(self.counters)
+        try:
+            with ExitStack() as stack:
+                for s in self.drafter.ssms if self.drafter else []:
+                    if hasattr(s, "unrecorded"):
+                        stack.enter_context(s.unrecorded())
+                yield
+        finally:
+            self.counters = counters
+
+    def warm_up(self, requests: int = WARM_UP_REQUESTS, tokens: int = 32) -> None:
+        """Serve a few short greedy requests, one at a time, and forget them (`unrecorded`), so
+        that the first real ones do not pay for first-use work: a step's op graphs are recorded
+        the first time its shape comes (graphs.py), at about an eager forward's cost each."""
+        text = "Write a few sentences about the sea."
+        prompt = [{"role": "user", "content": text}] if self.tokenizer.chat_template else text
+        params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+        with self.unrecorded():
+            for _ in range(requests):
+                self.generate(prompt, params)
 
     # -- offline API: loops over the serving API ------------------------------------------------
 

@@ -1,7 +1,7 @@
 """`specinfer serve`: the OpenAI-compatible server under uvicorn.
 
 Order of events: the server listens first (GET /health answers 503 "loading"), the engine loads on
-a thread, then /health answers 200 and one line says so on stdout:
+a thread and serves two short requests of its own (Engine.warm_up), then /health answers 200 and one line says so on stdout:
 `specinfer: serving <name> on http://<host>:<port>`. SIGTERM or SIGINT starts a graceful
 shutdown: new requests get 503, in-flight ones may finish for --shutdown-timeout seconds and are
 then aborted (their streams end with finish_reason "abort"), uvicorn closes, the exit status is 0.
@@ -30,11 +30,15 @@ def served_name(model: str | None) -> str:
 
 
 def build_engine(args):
-    """The Engine the serve options describe; speculation defaults as `specinfer generate`'s."""
+    """The Engine the serve options describe (speculation defaults as `specinfer generate`'s),
+    warmed up unless --no-warm-up or --offload (whose forwards stream every layer: slow)."""
     from specinfer.cli import engine_from_args
 
-    return engine_from_args(args, max_batch_size=args.max_batch_size,
-                            max_model_len=args.max_model_len, kv_budget=args.kv_budget)  # fmt: skip
+    engine = engine_from_args(args, max_batch_size=args.max_batch_size,
+                              max_model_len=args.max_model_len, kv_budget=args.kv_budget)  # fmt: skip
+    if args.warm_up and not args.offload:
+        engine.warm_up()
+    return engine
 
 
 def run(args) -> int:
