@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from collections import Counter
 
 import pytest
 
@@ -172,13 +173,15 @@ def test_si_and_non_si_through_the_same_servers_equal_incremental(tiny_pair, ref
 
 @pytest.mark.parametrize("tree", [TreeConfig((2,), sample_children=True), TreeConfig((2,))],
                          ids=["sampled children", "top-k children"])  # fmt: skip
-def test_dsi_sampling_matches_the_incremental_distribution(tiny_pair, exact, tree):  # noqa: F811
+def test_dsi_sampling_matches_the_incremental_distribution(tiny_pair, exact, tree, monkeypatch):  # noqa: F811
     target, other = tiny_pair
     with Engine(target, dtype="float32", ssm=other, tree=tree, mode="dsi", target_servers=2,
                 lookahead=2) as engine:  # fmt: skip
+        regimes = _count_regimes(monkeypatch, engine)
         counts = _sample_first3(engine, n=DSI_SAMPLES)
         stat, p = _chi_squared_p(counts, exact, DSI_SAMPLES)
-        print(f"\nDSI sampling ({tree}): chi2 = {stat:.1f}, p = {p:.3f}")
+        # Which regime each row met (printed for a failure's report: timing decides the mix).
+        print(f"\nDSI sampling ({tree}): chi2 = {stat:.1f}, p = {p:.3f}; rows {dict(regimes)}")
         if p <= 0.01:
             # Unlike the tree tests' seeded samples, DSI's depend on timing (which drafts a
             # target row meets), so a run is not reproducible and a fair sampler fails 1% of
@@ -190,6 +193,20 @@ def test_dsi_sampling_matches_the_incremental_distribution(tiny_pair, exact, tre
             stat, p = _chi_squared_p(counts, exact, 2 * DSI_SAMPLES)
             print(f"pooled with a second sample: chi2 = {stat:.1f}, p = {p:.3f}")
     assert p > 0.01, f"chi2 = {stat:.1f}, p = {p:.2e}"
+
+
+def _count_regimes(monkeypatch, engine) -> Counter:
+    """Counts of the verified rows by (output position, whether the row met drafted children)."""
+    regimes, step = Counter(), engine.dsi.orchestrator._step
+
+    def counting(f, row):
+        depth = len(engine.dsi.orchestrator.S) + engine.dsi.orchestrator.tree.depths[f]
+        met = bool(engine.dsi.orchestrator.tree.children[f])
+        regimes[(depth - len(PROMPT), "met drafts" if met else "alone")] += 1
+        return step(f, row)
+
+    monkeypatch.setattr(engine.dsi.orchestrator, "_step", counting)
+    return regimes
 
 
 REGIME_SAMPLES = 12_000
