@@ -82,7 +82,8 @@ class Tools:
     def parse(self, text: str, finish_reason: str | None) -> tuple[str | None, list[dict]]:
         """(content, tool_calls) of an answer: its tool-call blocks as OpenAI tool_calls, when
         it ended ("stop"), has some, and every one names a declared tool with an arguments
-        object (the text around them is the content, None if blank); else (text, [])."""
+        object (the text around them, trailing whitespace cut, is the content: None if blank);
+        else (text, [])."""
         blocks = list(_BLOCK.finditer(text)) if finish_reason == "stop" else []
         calls = []
         for block in blocks:
@@ -101,14 +102,15 @@ class Tools:
             })  # fmt: skip
         if not calls or (len(calls) > 1 and not self.parallel):
             return text, []
-        content = _BLOCK.sub("", text).strip()
+        content = _BLOCK.sub("", text).rstrip()
         return content or None, calls
 
 
 class ToolStream:
     """A streamed choice's content while the answer may turn into tool calls: text is sent as
-    it comes, but from a tool-call opening (or what may be the start of one) it is held back
-    until the end, when `finish` says whether it was calls or content."""
+    it comes, but from a tool-call opening (or what may be the start of one, or whitespace) it
+    is held back until the end, when `finish` says whether it was calls or content. The content
+    sent then adds up to the unstreamed answer's."""
 
     def __init__(self, tools: Tools):
         self.tools, self.text, self.sent = tools, "", 0
@@ -125,6 +127,8 @@ class ToolStream:
                 if OPEN.startswith(self.text[-k:]):
                     hold -= k
                     break
+        while hold > self.sent and self.text[hold - 1].isspace():  # sent once text follows
+            hold -= 1
         out, self.sent = self.text[self.sent : hold], max(self.sent, hold)
         return out
 
@@ -134,8 +138,7 @@ class ToolStream:
         if not calls:
             return self.text[self.sent :], []
         # What was sent precedes the first block, so it begins the text around the blocks.
-        unsent = _BLOCK.sub("", self.text)[self.sent :]
-        return (unsent.rstrip() if self.sent else unsent.strip()), calls
+        return _BLOCK.sub("", self.text)[self.sent :].rstrip(), calls
 
 
 def render_tool_calls(content: str | None, tool_calls, where: str) -> str:
