@@ -176,7 +176,9 @@ def test_a_warm_up_records_graphs_and_leaves_no_other_trace(smollm_gguf):
     )
     # What is served after it is recorded again.
     assert engine.stats()["prompt_tokens_total"] > 0
-    engine.generate(
-        "Another prompt", params
-    )  # the first one joins the history when its row is reused
+    engine.generate("Another prompt", params)  # the first one joins the history at its row's reuse
     assert len(suffix.history.tokens) > served
+    # A context too short for the warm-up's prompt: nothing to warm, and no error.
+    short = Engine(smollm_gguf, dtype="bfloat16", max_model_len=16)
+    short.warm_up()
+    assert not short.runner.graphs._graphs

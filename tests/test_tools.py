@@ -145,3 +145,33 @@ def test_the_forced_grammar_holds_an_answer_to_calls(smollm_gguf):
     for bad in [_block("get_weather", {"town": "Oslo"}), _block("get_news", {}), "Sunny.",
                 good + "\n" + good]:  # fmt: skip
         assert not takes(single, bad), bad
+
+
+TOOL_TEMPLATE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>\n"
+    "{% endif %}{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def test_a_template_that_renders_tools_is_given_them(smollm_gguf):
+    """A chat template that reads `tools` renders them itself (the format its model knows);
+    one that does not (the default model's) gets our system message. A template that refuses
+    the messages is a ValueError naming it, not a crash."""
+    from specinfer.tokenizer import TokenizerWrapper
+
+    tok = TokenizerWrapper.from_path(smollm_gguf)
+    tools = parse_tools(TOOLS, None, None)
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    assert not tok.renders_tools
+    ours = tools.prompt(tok, messages)
+    assert ours[0]["role"] == "system" and "get_weather" in ours[0]["content"]
+    assert ours[1:] == messages
+    tok.chat_template = TOOL_TEMPLATE
+    assert tok.renders_tools
+    rendered = tok.decode(tools.prompt(tok, messages))
+    assert rendered == "<tools>get_weather;get_time;</tools>\n<user>Weather in Oslo?\n<assistant>"
+    tok.chat_template = "You may have tools. {{ raise_exception('roles must alternate') }}"
+    assert not tok.renders_tools  # the word alone is not the variable
+    with pytest.raises(ValueError, match="chat template refused these messages: roles must"):
+        tok.apply_chat_template(messages)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jinja2
@@ -66,7 +67,16 @@ class TokenizerWrapper:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template describes tools itself: it reads a `tools` variable (as
+        HF's tool-aware templates do) in one of its tags, not merely says the word."""
+        return bool(self.chat_template) and bool(_READS_TOOLS.search(self.chat_template))
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:  # fmt: skip
+        """The conversation as the model's chat template writes it; `tools`: OpenAI's function
+        list, for a template that renders_tools."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; pass a plain prompt instead")
         for i, m in enumerate(messages):
@@ -74,12 +84,16 @@ class TokenizerWrapper:
                 raise ValueError(
                     f"chat message {i} must be a dict with 'role' and 'content', got {m!r}"
                 )
-        return _compile_template(self.chat_template).render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
+        try:
+            return _compile_template(self.chat_template).render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                **({"tools": tools} if tools else {}),
+            )
+        except jinja2.TemplateError as e:  # e.g. raise_exception("roles must alternate ...")
+            raise ValueError(f"the model's chat template refused these messages: {e}") from e
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -190,6 +204,7 @@ def _raise(message: str):
 
 
 _templates: dict[str, jinja2.Template] = {}
+_READS_TOOLS = re.compile(r"\{[{%][^}%]*\btools\b")  # `tools` inside a {{ }} or {% %} tag
 
 
 def _compile_template(source: str) -> jinja2.Template:

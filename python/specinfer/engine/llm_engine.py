@@ -366,7 +366,13 @@ class Engine:
         the first time its shape comes (graphs.py), at about an eager forward's cost each."""
         text = "Write a few sentences about the sea."
         prompt = [{"role": "user", "content": text}] if self.tokenizer.chat_template else text
-        params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+        try:
+            room = self.max_model_len - len(self.prompt_ids(prompt))
+        except ValueError:  # longer than max_model_len
+            room = 0
+        if room < 1:  # a context too short for it: nothing to warm up that requests would meet
+            return
+        params = SamplingParams(max_tokens=min(tokens, room), ignore_eos=True)
         with self.unrecorded():
             for _ in range(requests):
                 self.generate(prompt, params)

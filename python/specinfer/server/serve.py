@@ -1,10 +1,11 @@
 """`specinfer serve`: the OpenAI-compatible server under uvicorn.
 
 Order of events: the server listens first (GET /health answers 503 "loading"), the engine loads on
-a thread and serves two short requests of its own (Engine.warm_up), then /health answers 200 and one line says so on stdout:
-`specinfer: serving <name> on http://<host>:<port>`. SIGTERM or SIGINT starts a graceful
-shutdown: new requests get 503, in-flight ones may finish for --shutdown-timeout seconds and are
-then aborted (their streams end with finish_reason "abort"), uvicorn closes, the exit status is 0.
+a thread and serves two short requests of its own (Engine.warm_up), then /health answers 200 and
+one line says so on stdout: `specinfer: serving <name> on http://<host>:<port>`. SIGTERM or
+SIGINT starts a graceful shutdown: new requests get 503, in-flight ones may finish for
+--shutdown-timeout seconds and are then aborted (their streams end with finish_reason "abort"),
+uvicorn closes, the exit status is 0.
 A second SIGINT stops at once. A model that fails to load: the error on stderr, status 2.
 """
 

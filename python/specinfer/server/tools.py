@@ -38,9 +38,20 @@ class Tools:
     the model use them, and whether several calls may come in one answer."""
 
     functions: dict[str, tuple[str, dict]]
+    declared: list[dict]  # the request's `tools`, as given (for a template that renders them)
     forced: bool = False  # the answer must be tool calls (a grammar holds it to them)
     only: str | None = None  # the one function it must call
     parallel: bool = True
+
+    def prompt(self, tokenizer, messages: list[dict]) -> list[dict] | list[int]:
+        """The chat prompt: where the model's template describes tools itself (HF's templates
+        take `tools`; Hermes-style ones, Qwen2.5's among them, ask for these very blocks), the
+        conversation it renders with them, as token ids; else the conversation with our
+        system message (`messages`)."""
+        if not tokenizer.renders_tools:
+            return self.messages(messages)
+        text = tokenizer.apply_chat_template(messages, tools=self.declared)
+        return tokenizer.encode(text, add_special_tokens=False)
 
     def system_prompt(self) -> str:
         listed = "\n".join(
@@ -200,4 +211,4 @@ def parse_tools(tools, tool_choice, parallel_tool_calls) -> Tools | None:
         return None
     if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
         raise APIError(400, "parallel_tool_calls must be a boolean", "parallel_tool_calls")
-    return Tools(functions, choice != "auto", only, parallel_tool_calls is not False)
+    return Tools(functions, tools, choice != "auto", only, parallel_tool_calls is not False)
