@@ -85,3 +85,18 @@ def test_a_gguf_tokenizer_reads_the_same_from_the_file_and_from_its_conversion(
     assert converted.apply_chat_template(chat) == direct.apply_chat_template(chat)
     for name in ("vocab_size", "bos_token_id", "eos_token_id", "add_bos", "chat_template"):
         assert getattr(converted, name) == getattr(direct, name), name
+
+
+def test_named_chat_templates(default_tokenizer):
+    """tokenizer_config.json's list of named templates: "default" renders chats, "tool_use"
+    the chats that come with tools (and makes the tokenizer one that renders tools)."""
+    named = [{"name": "tool_use", "template": "{% for t in tools %}{{ t.name }} {% endfor %}"},
+             {"name": "default", "template": "{% for m in messages %}{{ m.content }}{% endfor %}"}]  # fmt: skip
+    tok = TokenizerWrapper(default_tokenizer.tokenizer, bos_token=None, eos_token=None,
+                           add_bos=False, chat_template=named)  # fmt: skip
+    messages = [{"role": "user", "content": "hi"}]
+    assert tok.renders_tools and tok.apply_chat_template(messages) == "hi"
+    assert tok.apply_chat_template(messages, tools=[{"name": "f"}, {"name": "g"}]) == "f g "
+    plain = TokenizerWrapper(default_tokenizer.tokenizer, bos_token=None, eos_token=None,
+                             add_bos=False, chat_template=named[1:])  # fmt: skip
+    assert not plain.renders_tools and plain.tool_template == plain.chat_template

@@ -45,14 +45,23 @@ class TokenizerWrapper:
         bos_token: str | None,
         eos_token: str | None,
         add_bos: bool,
-        chat_template: str | None,
+        chat_template: str | list[dict] | None,
     ):
         self.tokenizer = tokenizer
         self.bos_token, self.eos_token = bos_token, eos_token
         self.bos_token_id = tokenizer.token_to_id(bos_token) if bos_token else None
         self.eos_token_id = tokenizer.token_to_id(eos_token) if eos_token else None
         self.add_bos = add_bos and self.bos_token_id is not None
-        self.chat_template = chat_template
+        # tokenizer_config.json may name several templates ([{"name", "template"}]): "default"
+        # renders chats, "tool_use" (if there is one) chats that come with tools.
+        self.named_templates = (
+            {t["name"]: t["template"] for t in chat_template}
+            if isinstance(chat_template, list) else {}
+        )  # fmt: skip
+        self.chat_template = (
+            self.named_templates.get("default", next(iter(self.named_templates.values()), None))
+            if self.named_templates else chat_template
+        )  # fmt: skip
 
     @property
     def vocab_size(self) -> int:
@@ -68,10 +77,15 @@ class TokenizerWrapper:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     @property
+    def tool_template(self) -> str | None:
+        """The template a chat with tools is rendered by."""
+        return self.named_templates.get("tool_use", self.chat_template)
+
+    @property
     def renders_tools(self) -> bool:
-        """Whether the chat template describes tools itself: it reads a `tools` variable (as
-        HF's tool-aware templates do) in one of its tags, not merely says the word."""
-        return bool(self.chat_template) and bool(_READS_TOOLS.search(self.chat_template))
+        """Whether that template describes tools itself: it reads a `tools` variable (as HF's
+        tool-aware templates do) in one of its tags, not merely says the word."""
+        return bool(self.tool_template) and bool(_READS_TOOLS.search(self.tool_template))
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None) -> str:  # fmt: skip
@@ -85,7 +99,7 @@ class TokenizerWrapper:
                     f"chat message {i} must be a dict with 'role' and 'content', got {m!r}"
                 )
         try:
-            return _compile_template(self.chat_template).render(
+            return _compile_template(self.tool_template if tools else self.chat_template).render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
