@@ -175,3 +175,20 @@ def test_a_template_that_renders_tools_is_given_them(smollm_gguf):
     assert not tok.renders_tools  # the word alone is not the variable
     with pytest.raises(ValueError, match="chat template refused these messages: roles must"):
         tok.apply_chat_template(messages)
+
+
+def test_forced_calls_under_speculation_equal_incremental_decoding(smollm_gguf):
+    """The forced grammar masks a verified tree's rows as any structured output does: greedy
+    speculative output equals incremental, token for token, and is a call."""
+    from specinfer import Engine, SamplingParams
+
+    tools = parse_tools(TOOLS, "required", False)
+    chats = [[{"role": "user", "content": q}] for q in ("Weather in Oslo?", "What time is it?")]
+    prompts = [tools.messages(chat) for chat in chats]
+    params = SamplingParams(max_tokens=48, grammar=tools.grammar())
+    spec = Engine(smollm_gguf, dtype="bfloat16", ssm=["default", "ngram"]).generate(prompts, params)
+    plain = Engine(smollm_gguf, dtype="bfloat16").generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert sum(o.metrics["tokens_per_step"] > 1 for o in spec), "nothing was speculated"
+    finished = [o for o in spec if o.finish_reason == "stop"]  # the grammar completed
+    assert finished and all(tools.parse(o.text, "stop")[1] for o in finished)
