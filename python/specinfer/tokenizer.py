@@ -98,8 +98,9 @@ class TokenizerWrapper:
                 raise ValueError(
                     f"chat message {i} must be a dict with 'role' and 'content', got {m!r}"
                 )
+        template = _compile_template(self.tool_template if tools else self.chat_template)
         try:
-            return _compile_template(self.tool_template if tools else self.chat_template).render(
+            return template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
