@@ -100,3 +100,25 @@ def test_named_chat_templates(default_tokenizer):
     plain = TokenizerWrapper(default_tokenizer.tokenizer, bos_token=None, eos_token=None,
                              add_bos=False, chat_template=named[1:])  # fmt: skip
     assert not plain.renders_tools and plain.tool_template == plain.chat_template
+
+
+def test_gguf_named_chat_templates():
+    """A GGUF file's named templates (tokenizer.chat_templates lists the names, each stored as
+    tokenizer.chat_template.<name>) are read as tokenizer_config.json's list."""
+    from types import SimpleNamespace
+
+    def reader(extra: dict):
+        fields = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "ab"],
+                  "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.token_type": [1, 1, 1],
+                  "tokenizer.chat_template": "{{ messages[0].content }}", **extra}  # fmt: skip
+        return SimpleNamespace(
+            fields={k: SimpleNamespace(contents=lambda v=v: v) for k, v in fields.items()}
+        )
+
+    tool_use = "{% for t in tools %}{{ t }}{% endfor %}"
+    named = {"tokenizer.chat_templates": ["tool_use"], "tokenizer.chat_template.tool_use": tool_use}
+    tok = TokenizerWrapper._read_gguf(reader(named), "m.gguf")
+    assert tok.chat_template == "{{ messages[0].content }}" and tok.tool_template == tool_use
+    assert tok.renders_tools and tok.encode("ab") == [2]
+    plain = TokenizerWrapper._read_gguf(reader({}), "m.gguf")
+    assert plain.named_templates == {} and not plain.renders_tools

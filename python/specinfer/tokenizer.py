@@ -163,8 +163,9 @@ class TokenizerWrapper:
             saved = {"error": str(e)}
         else:
             tok.tokenizer.save(str(out_dir / "tokenizer.json"))
+            templates = [{"name": n, "template": t} for n, t in tok.named_templates.items()]
             saved = {"bos_token": tok.bos_token, "eos_token": tok.eos_token,
-                     "add_bos": tok.add_bos, "chat_template": tok.chat_template}  # fmt: skip
+                     "add_bos": tok.add_bos, "chat_template": templates or tok.chat_template}  # fmt: skip
         (out_dir / _GGUF_SAVED).write_text(json.dumps(saved))
 
     @classmethod
@@ -202,8 +203,20 @@ class TokenizerWrapper:
             bos_token=tokens[bos] if bos is not None else None,
             eos_token=tokens[eos] if eos is not None else None,
             add_bos=bool(field("tokenizer.ggml.add_bos_token", False)),
-            chat_template=field("tokenizer.chat_template"),
+            chat_template=_gguf_templates(field),
         )
+
+
+def _gguf_templates(field) -> str | list[dict] | None:
+    """A GGUF file's chat template, or its named ones (`tokenizer.chat_template.<name>`, listed
+    in `tokenizer.chat_templates`) with it as "default", as tokenizer_config.json names them."""
+    default = field("tokenizer.chat_template")
+    named = [{"name": n, "template": field(f"tokenizer.chat_template.{n}")}
+             for n in field("tokenizer.chat_templates", [])]  # fmt: skip
+    named = [t for t in named if t["template"] is not None]
+    if not named:
+        return default
+    return ([{"name": "default", "template": default}] if default else []) + named
 
 
 def _read_json(file: Path) -> dict:
