@@ -110,6 +110,12 @@ class TokenizerWrapper:
         except jinja2.TemplateError as e:  # e.g. raise_exception("roles must alternate ...")
             raise ValueError(f"the model's chat template refused these messages: {e}") from e
 
+    def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The rendered conversation's token ids (the template writes any BOS it wants)."""
+        return self.encode(
+            self.apply_chat_template(messages, tools=tools), add_special_tokens=False
+        )
+
     # -- construction ---------------------------------------------------------------------------
 
     @classmethod

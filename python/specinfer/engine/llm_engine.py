@@ -468,9 +468,7 @@ class Engine:
         """The token ids of a prompt (text, token ids, or chat messages, rendered with the
         model's chat template); ValueError naming the problem."""
         if _is_messages(prompt):
-            ids = self.tokenizer.encode(
-                self.tokenizer.apply_chat_template(prompt), add_special_tokens=False
-            )
+            ids = self.tokenizer.chat_ids(prompt)
         elif isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         elif _is_token_ids(prompt):

@@ -35,7 +35,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     state = request.app.state.server
     state.admit(body.model)
     body.check()
-    tools, tokenizer = body.tool_set(), state.engine.tokenizer
+    tools, tokenizer = body.tool_set, state.engine.tokenizer
     try:
         prompt = tools.prompt(tokenizer, body.messages) if tools else body.messages
     except ValueError as e:

@@ -7,6 +7,7 @@ features this server does not implement (suffix, functions, ...), which are refu
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, field_validator
@@ -235,12 +236,14 @@ class ChatCompletionRequest(_Request):
     tool_choice: str | dict | None = None
     parallel_tool_calls: StrictBool | None = None
 
+    @cached_property
     def tool_set(self) -> Tools | None:
-        """The tools the model may call (None: none, or tool_choice "none")."""
+        """The tools the model may call (None: none, or tool_choice "none"); read once, though
+        the checks, the prompt and every choice's params ask."""
         return parse_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def structured_error(self, message: str) -> APIError:
-        tools = self.tool_set()
+        tools = self.tool_set
         if tools and tools.forced:  # the grammar is made of the tools' parameters schemas
             return APIError(400, f"a tool's parameters are not a valid JSON schema ({message})",
                             "tools")  # fmt: skip
@@ -248,7 +251,7 @@ class ChatCompletionRequest(_Request):
 
     def structured(self) -> dict:
         """A forced tool call's grammar, or response_format's / structured_outputs' fields."""
-        tools = self.tool_set()
+        tools = self.tool_set
         if not (tools and tools.forced):
             return super().structured()
         if self.response_format is not None or self.structured_outputs is not None:

@@ -50,8 +50,7 @@ class Tools:
         system message (`messages`)."""
         if not tokenizer.renders_tools:
             return self.messages(messages)
-        text = tokenizer.apply_chat_template(messages, tools=self.declared)
-        return tokenizer.encode(text, add_special_tokens=False)
+        return tokenizer.chat_ids(messages, tools=self.declared)
 
     def system_prompt(self) -> str:
         listed = "\n".join(

@@ -56,4 +56,4 @@ def prompt_ids(tokenizer: TokenizerWrapper, prompt: Prompt, chat: bool) -> list[
     if isinstance(prompt, str) and not chat:
         return tokenizer.encode(prompt)
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    return tokenizer.chat_ids(messages)
