@@ -4,7 +4,7 @@
                                      [--rates 1 2 4] [--requests 32] [--max-tokens 64]
                                      [--temperature 0] [--max-batch-size 16] [--server-args ARGS]
                                      [--endpoint chat|completions] [--prompts-file F] [--quick]
-                                     [--repeats N]
+                                     [--repeats N] [--prefix-caching]
 
 - Each configuration starts `python -m specinfer.cli serve` as a subprocess on 127.0.0.1 (a free
   port; same model, --dtype, --threads, --max-batch-size; --server-args and the configuration's
@@ -49,6 +49,9 @@
   server later runs would be drafted from earlier runs' answers to them (measured: n-gram +
   suffix at concurrency 4 accepted 5.05 tokens a draft after a concurrency-1 run, 0.92 fresh).
   The benchmark warns when a configuration names a suffix drafter without it.
+- Servers run with --no-prefix-caching unless --prefix-caching: every run sends the same prompts
+  (and the warm-up some of them), so a server caching prompts would find later runs' cached and
+  the load points would not compare. benchmarks/bench_prefix.py measures prefix caching.
 - --quick: a check that runs in about a minute or two (6 requests, concurrency 1 and 2,
   max_tokens 16, no rates) into benchmarks/results/serve_quick.json.
 Writes JSON (--out) with the settings and every run, and a PNG beside it; prints a line a run.
@@ -137,6 +140,8 @@ def main() -> None:
                         help="rounds over the configurations, rotated (see above)")  # fmt: skip
     parser.add_argument("--server-per-run", action="store_true",
                         help="a fresh server for every load run (see above)")  # fmt: skip
+    parser.add_argument("--prefix-caching", action="store_true",
+                        help="let the servers cache prompts (see above)")  # fmt: skip
     parser.add_argument("--quick", action="store_true",
                         help="6 requests, concurrency 1 2, max_tokens 16: proves it works")  # fmt: skip
     parser.add_argument("--out", default=None,
@@ -176,6 +181,7 @@ def main() -> None:
             "threads": args.threads,
             "max_batch_size": args.max_batch_size,
             "server_args": args.server_args,
+            "prefix_caching": args.prefix_caching,
             "configs": configs,
             "endpoint": args.endpoint,
             "requests": args.requests,
@@ -288,6 +294,7 @@ def server(extra: list[str], args):
            "--port", str(port), "--max-batch-size", str(args.max_batch_size),
            "--dtype", args.dtype, "--threads", str(args.threads), "--log-level", "warning",
            "--shutdown-timeout", "5", *(["--model", args.model] if args.model else []),
+           *([] if args.prefix_caching else ["--no-prefix-caching"]),
            *shlex.split(args.server_args), *extra]  # fmt: skip
     log = tempfile.NamedTemporaryFile("w+", prefix="bench_serve_", suffix=".log", delete=False)
     info = {"command": shlex.join(cmd[1:])}

@@ -154,8 +154,8 @@ def test_cli_reports_bad_arguments(capsys):
 
 def test_a_warm_up_records_graphs_and_leaves_no_other_trace(smollm_gguf):
     """Engine.warm_up: the op graphs of the shapes it met are recorded (what it is for); the
-    counters of stats() and the suffix drafter's history are as before it. A request after it
-    is decoded as by a fresh engine (greedy)."""
+    counters of stats(), the suffix drafter's history and the prefix cache are as before it. A
+    request after it is decoded as by a fresh engine (greedy)."""
     from specinfer.suffix import SuffixDrafter
 
     def fresh():
@@ -169,6 +169,7 @@ def test_a_warm_up_records_graphs_and_leaves_no_other_trace(smollm_gguf):
     assert graphs._graphs and graphs.replays > 0, "no op graph recorded or replayed"
     assert engine.stats() == before
     assert len(suffix.history.tokens) == served
+    assert not engine.kv.prefix.block_of  # nor its prompt's blocks
     prompt = "The capital of France is"
     assert (
         engine.generate(prompt, params)[0].token_ids

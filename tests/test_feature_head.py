@@ -207,6 +207,13 @@ def test_greedy_feature_head_equals_incremental(
     assert outs[0].metrics["per_ssm"][0]["name"] == f"feature:{head_dir.name}"
 
 
+def test_a_feature_head_turns_prefix_caching_off(tiny_pair, head_dir):  # noqa: F811
+    # It drafts from the target's features of every prompt token: a cached prefix has none.
+    assert not Engine(tiny_pair[0], dtype="float32", ssm=str(head_dir)).prefix_caching
+    with pytest.raises(ValueError, match="prefix_caching is not available with a feature head"):
+        Engine(tiny_pair[0], dtype="float32", ssm=str(head_dir), prefix_caching=True)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: from replayed graphs
 def test_the_served_head_reads_the_targets_layers(tiny_pair, layered_head_dir, dtype):  # noqa: F811
     # What the engine hands the head at each slot (prompt chunk, decode steps, verified paths)

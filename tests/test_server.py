@@ -638,6 +638,28 @@ def test_metrics(served):
     assert m["specinfer:requests_finished_total", (("finished_reason", "length"),)] > 0
 
 
+def test_usage_and_metrics_report_the_prefix_cache(served):
+    """A chat sent twice: the second's prompt tokens but its last few come from the prefix
+    cache (usage.prompt_tokens_details, as OpenAI reports cached tokens), same answer; the
+    hits are counted in /metrics."""
+    chat = [{"role": "system", "content": "You answer questions about rivers, briefly. " * 6},
+            {"role": "user", "content": "Which river is the longest?"}]  # fmt: skip
+    before = _metrics(served).get(("specinfer:prefix_cache_hits_total", ()), 0.0)
+    first, second = (served.client.chat.completions.create(model=MODEL, messages=chat,
+                                                           max_tokens=8, temperature=0)
+                     for _ in range(2))  # fmt: skip
+    assert second.choices[0].message.content == first.choices[0].message.content
+    prompt, cached = second.usage.prompt_tokens, second.usage.prompt_tokens_details.cached_tokens
+    assert cached % 16 == 0 and prompt - 16 <= cached < prompt
+    assert first.usage.prompt_tokens_details.cached_tokens < cached
+    _wait_idle(served.engine)
+    m = _metrics(served)
+    assert m["specinfer:prefix_cache_hits_total", ()] - before >= cached
+    assert (
+        m["specinfer:prefix_cache_queries_total", ()] >= m["specinfer:prefix_cache_hits_total", ()]
+    )
+
+
 # -- `specinfer serve` -------------------------------------------------------------------------
 
 

@@ -262,6 +262,14 @@ def _add_serve_parser(sub) -> None:
         "wait or are preempted when it is full (default: that product)",
     )
     serve.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="prefill every prompt whole: by default a request beginning with the tokens of an "
+        "earlier one (a shared system prompt, a chat's earlier turns) reuses their cached K/V "
+        "(not with a feature head)",
+    )
+    serve.add_argument(
         "--no-warm-up",
         dest="warm_up",
         action="store_false",

@@ -5,7 +5,9 @@ tokens need, taken as it grows (`reserve`) and all given back the moment it fini
 or is preempted, so the budget goes to what requests actually hold, not to their longest
 possible length. The forwards address it through a block table per sequence (ops.kv_locations);
 entries past a sequence's blocks point at block 0, a scratch block that only the padding of a
-batch writes and nothing reads.
+batch writes and nothing reads. With prefix caching (prefix_cache.py), full blocks stay cached
+after their sequence lets them go, and a sequence admitted with the same first tokens takes them
+(its prefill starts after them); cached blocks no one holds are taken back when the pool is short.
 
 The SSMs' caches stay one row per running sequence (they are small): a sequence gets a row in
 each on admission (`allocate`). The caches are allocated on first use and kept (the graphs
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from specinfer.engine.prefix_cache import ROOT, PrefixCache, digest
 from specinfer.engine.sequence import Sequence
 
 BLOCK_LEN = 16  # positions per block of the target's cache
@@ -23,7 +26,7 @@ BLOCK_LEN = 16  # positions per block of the target's cache
 
 class KVManager:
     def __init__(self, runner, drafter, rows: int, row_len: int, num_blocks: int,
-                 block_len: int, device: torch.device):  # fmt: skip
+                 block_len: int, device: torch.device, prefix_caching: bool = False):  # fmt: skip
         """runner: the target's ModelRunner (it holds the cache); rows: sequences at once (the
         SSMs' rows); row_len: the most positions a sequence may use; num_blocks x block_len:
         the target's positions in all."""
@@ -35,6 +38,7 @@ class KVManager:
         self.free_rows: list[int] = []
         self.free_blocks: list[int] = []
         self.owners: dict[int, Sequence] = {}  # row -> the sequence in it
+        self.prefix = PrefixCache() if prefix_caching else None
 
     @property
     def num_free(self) -> int:
@@ -46,14 +50,23 @@ class KVManager:
         return self.blocks_per_seq * self.block_len
 
     def allocate(self, seq: Sequence, tokens: int) -> bool:
-        """Give `seq` a row in every SSM cache and target blocks for `tokens` positions; False
-        (and nothing taken) when either is short."""
+        """Give `seq` a row in every SSM cache and target blocks for `tokens` positions, the
+        cached blocks of its first tokens among them (seq.num_computed: the tokens they hold);
+        False (and nothing taken) when either is short."""
         if self.kv is None:
             self._make_caches()
-        if not self.free_rows or self._blocks_for(seq, tokens) > len(self.free_blocks):
+        if not self.free_rows:
+            return False
+        hit = self._cached_prefix(seq)
+        taken_idle = sum(b in self.prefix.idle for b in hit) if hit else 0
+        if self._blocks_for(seq, tokens) - len(hit) > self._num_free_blocks() - taken_idle:
             return False
         seq.row = self.free_rows.pop()
         self.owners[seq.row] = seq
+        for block in hit:
+            self.prefix.hold(block)
+        seq.blocks, seq.registered_blocks = hit, len(hit)
+        seq.num_computed = len(hit) * self.block_len
         self.reserve(seq, tokens)
         if self.drafter:
             self.drafter.admit(seq.row)  # its SSM state starts empty
@@ -63,17 +76,41 @@ class KVManager:
         """Make `seq`'s blocks hold `tokens` positions; False (nothing taken) when the pool
         is short."""
         need = self._blocks_for(seq, tokens)
-        if need > len(self.free_blocks):
+        if need > self._num_free_blocks():
             return False
-        seq.blocks += [self.free_blocks.pop() for _ in range(need)]
+        for _ in range(need):
+            block = self.free_blocks.pop() if self.free_blocks else self.prefix.evict()
+            if self.prefix:
+                self.prefix.hold(block)
+            seq.blocks.append(block)
         return True
+
+    def cache_computed(self, seq: Sequence) -> None:
+        """With prefix caching, cache `seq`'s blocks whose every position holds its token's
+        final K/V (seq.num_cached: nothing writes there again)."""
+        full = min(seq.num_cached // self.block_len, len(seq.blocks))
+        if self.prefix is None or full <= seq.registered_blocks:
+            return
+        digests = self._digests(seq, full)
+        for i in range(seq.registered_blocks, full):
+            self.prefix.register(seq.blocks[i], digests[i])
+        seq.registered_blocks = full
+
+    def forget_prefixes(self) -> None:
+        """Forget every cached prefix (the blocks sequences hold stay theirs)."""
+        if self.prefix:
+            self.free_blocks += self.prefix.forget()
 
     def free(self, seq: Sequence) -> None:
         if seq.row >= 0 and self.owners.get(seq.row) is seq:
+            self.cache_computed(seq)  # what it filled since the last step
             del self.owners[seq.row]
             self.free_rows.append(seq.row)
-            self.free_blocks += reversed(seq.blocks)
-        seq.row, seq.blocks = -1, []
+            # The last blocks first: with prefix caching, they are the first taken back.
+            for block in reversed(seq.blocks):
+                if self.prefix is None or self.prefix.release(block):
+                    self.free_blocks.append(block)
+        seq.row, seq.blocks, seq.registered_blocks = -1, [], 0
 
     def table(self, seqs: list[Sequence]) -> torch.Tensor:
         """The sequences' block tables [B, blocks per sequence] (rows [B] when a block is a
@@ -85,7 +122,9 @@ class KVManager:
                             device=self.device)  # fmt: skip
 
     def used_tokens(self) -> int:
-        """Positions the running sequences' blocks hold."""
+        """Positions the running sequences' blocks hold (a block they share counted once)."""
+        if self.prefix:
+            return self.block_len * len(self.prefix.holders)
         # list() copies in one go: monitoring reads this from another thread.
         return self.block_len * sum(len(s.blocks) for s in list(self.owners.values()))
 
@@ -97,6 +136,7 @@ class KVManager:
             )
         self.runner.free_cache()
         self.kv = None
+        self.forget_prefixes()
         self.free_rows, self.free_blocks = [], []
         for ssm in self.drafter.ssms if self.drafter else []:
             if hasattr(ssm, "release"):
@@ -112,3 +152,24 @@ class KVManager:
 
     def _blocks_for(self, seq: Sequence, tokens: int) -> int:
         return max(0, -(-min(tokens, self.capacity) // self.block_len) - len(seq.blocks))
+
+    def _num_free_blocks(self) -> int:
+        return len(self.free_blocks) + (len(self.prefix.idle) if self.prefix else 0)
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks `seq`'s prefill may start after. At least one token is left to
+        prefill (its logits come from that forward), and a prompt that is scored (prompt
+        logprobs) is prefilled whole."""
+        if self.prefix is None or seq.scores_prompt or self.blocks_per_seq == 1:
+            return []
+        full = (seq.prefill_len - 1) // self.block_len
+        return self.prefix.match(self._digests(seq, full))
+
+    def _digests(self, seq: Sequence, blocks: int) -> list[bytes]:
+        """The digests of `seq`'s first `blocks` blocks of tokens (kept on the sequence: its
+        tokens only ever grow)."""
+        n = self.block_len
+        for i in range(len(seq.digests), blocks):
+            parent = seq.digests[-1] if seq.digests else ROOT
+            seq.digests.append(digest(parent, seq.token_slice(i * n, (i + 1) * n)))
+        return seq.digests[:blocks]

@@ -71,6 +71,7 @@ class Engine:
         resident_layers: int = 0,
         target_servers: int = 1,
         lookahead: int | None = None,
+        prefix_caching: bool | None = None,
     ):
         """mode: "incremental" (no SSM), "sequence" (chains as deep as the trees) or "tree"
         (default when an SSM is given). ssm: a model path sharing the target's tokenizer, an
@@ -98,7 +99,11 @@ class Engine:
         requests hold together: a request waits until its prompt fits, and a running one is
         preempted (recomputed later) when a block runs out (see scheduler.py).
         max_tokens_per_step caps the tokens a step runs (decoding requests count one each,
-        prompts fill the rest in chunks).
+        prompts fill the rest in chunks). prefix_caching: full blocks of the target's KV cache
+        are kept after their request (until the pool needs them) and a request beginning with
+        the same tokens prefills only what follows them (see engine/prefix_cache.py); default
+        on, except for a feature head (it drafts from the target's hidden states of every
+        prompt token) and mode "dsi" (its servers hold their own caches), where it is refused.
 
         tensor_parallel: N shards each layer over N processes; pipeline_parallel: M gives each
         of M stages a contiguous range of layers (a step's batch flows through them in
@@ -165,7 +170,8 @@ class Engine:
                 offload_model(self.model, offload, self.device, path, offload_dir, resident)
                 self.model.to(self.device)
             self._build(path, ssm, tree, ssm_head, ssm_int8, adaptive_tree, max_tree_nodes,
-                        max_model_len, kv_budget, max_batch_size, max_tokens_per_step, verifier)  # fmt: skip
+                        max_model_len, kv_budget, max_batch_size, max_tokens_per_step, verifier,
+                        prefix_caching)  # fmt: skip
             self.dsi = None
             if self.mode == "dsi":
                 from specinfer.dsi.mode import DSIMode
@@ -176,7 +182,8 @@ class Engine:
             raise
 
     def _build(self, path, ssm, tree, ssm_head, ssm_int8, adaptive_tree, max_tree_nodes,
-               max_model_len, kv_budget, max_batch_size, max_tokens_per_step, verifier) -> None:  # fmt: skip
+               max_model_len, kv_budget, max_batch_size, max_tokens_per_step, verifier,
+               prefix_caching) -> None:  # fmt: skip
         self.config = self.model.config
         self.tokenizer = TokenizerWrapper.from_path(path)
         self.verifier = verifier
@@ -218,9 +225,9 @@ class Engine:
         per_request = -(-row_len // BLOCK_LEN)
         blocks = rows * per_request if default_budget else kv_budget // BLOCK_LEN
         self.max_batch_size = rows
-        self.kv = KVManager(
-            self.runner, self.drafter, rows, row_len, blocks, BLOCK_LEN, self.device
-        )
+        self.prefix_caching = self._prefix_caching(prefix_caching)
+        self.kv = KVManager(self.runner, self.drafter, rows, row_len, blocks, BLOCK_LEN,
+                            self.device, self.prefix_caching)  # fmt: skip
         # Positions a decode step may write: the widest tree it verifies.
         lookahead = self.drafter.num_nodes if self.drafter else 1
         lookahead = min(lookahead, self.max_tree_nodes or lookahead)
@@ -294,6 +301,11 @@ class Engine:
         if self.dsi is not None:
             return self.dsi.step(self)
         plan = self.scheduler.schedule()
+        for s in plan.admitted:  # their prefill starts after what the prefix cache held
+            self.counters["prefix_cache_queries_total"] += s.prefill_len
+            self.counters["prefix_cache_hits_total"] += s.num_computed
+            if not s.preemptions:
+                s.cached_tokens = s.num_computed
         outputs = []
         streamed = self.runner.streamed()
         if plan.decode:
@@ -348,8 +360,8 @@ class Engine:
     def unrecorded(self) -> Iterator[None]:
         """What is served inside leaves no trace in what later requests meet: the suffix
         drafters' history (so a warm-up's or a benchmark's own answers are not drafted back)
-        and the counters of stats(). The op graphs recorded and the costs the cut learned stay:
-        they are what a warm-up is for."""
+        and the counters of stats(); the prefix cache is emptied. The op graphs recorded and
+        the costs the cut learned stay: they are what a warm-up is for."""
         counters = copy.deepcopy(self.counters)
         try:
             with ExitStack() as stack:
@@ -359,6 +371,7 @@ class Engine:
                 yield
         finally:
             self.counters = counters
+            self.kv.forget_prefixes()
 
     def warm_up(self, requests: int = WARM_UP_REQUESTS, tokens: int = 32) -> None:
         """Serve a few short greedy requests, one at a time, and forget them (`unrecorded`), so
@@ -375,6 +388,7 @@ class Engine:
         params = SamplingParams(max_tokens=min(tokens, room), ignore_eos=True)
         with self.unrecorded():
             for _ in range(requests):
+                self.kv.forget_prefixes()  # each prefills the whole prompt, as a new one would
                 self.generate(prompt, params)
 
     # -- offline API: loops over the serving API ------------------------------------------------
@@ -448,6 +462,16 @@ class Engine:
         self.kv.release()  # and the runner's cache and graphs
 
     # -- requests -------------------------------------------------------------------------------
+
+    def _prefix_caching(self, asked: bool | None) -> bool:
+        if asked not in (None, True, False):
+            raise ValueError(f"prefix_caching must be True, False or None (auto), got {asked!r}")
+        unfit = ("mode 'dsi' (its servers hold their own caches)" if self.mode == "dsi" else
+                 "a feature head (it drafts from the target's hidden states of every prompt "
+                 "token)" if self.drafter and self.drafter.reads_features else None)  # fmt: skip
+        if asked and unfit:
+            raise ValueError(f"prefix_caching is not available with {unfit}")
+        return asked is not False and unfit is None
 
     def _make_sequences(self, prompts, params) -> list[Seq]:
         if isinstance(prompts, str) or _is_token_ids(prompts) or _is_messages(prompts):
@@ -532,6 +556,7 @@ def _score_prompt(seq: Seq, rows: torch.Tensor) -> torch.Tensor | None:
 
 
 COUNTERS = ("prompt_tokens_total", "generation_tokens_total", "preemptions_total",
+            "prefix_cache_queries_total", "prefix_cache_hits_total",
             "spec_steps_total", "spec_drafts_total", "spec_draft_tokens_total",
             "spec_accepted_tokens_total", "spec_emitted_tokens_total")  # fmt: skip
 

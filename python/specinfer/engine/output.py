@@ -46,4 +46,5 @@ def output_of(seq: Sequence, delta: str = "", tokens: list[int] | None = None) -
     first = tokens and len(tokens) == len(seq.output_ids)
     return RequestOutput(seq.request_id, delta, tokens, seq.finish_reason is not None,
                          seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids),
-                         logprobs, seq.prompt_logprobs if first else None)  # fmt: skip
+                         logprobs, seq.prompt_logprobs if first else None,
+                         seq.cached_tokens)  # fmt: skip

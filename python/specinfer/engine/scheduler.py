@@ -11,6 +11,10 @@ up to `lookahead` nodes). When the pool is short, the most recently admitted oth
 preempted: its blocks and row go back, and it waits at the head of the queue to be prefilled
 again, prompt and output, when there is room (vLLM's recompute preemption). Its output so far
 is kept, so what it streams is unchanged.
+
+With prefix caching, a request's prefill starts after the blocks of its first tokens found in the
+cache (kv_manager.py); each step first hands the cache the blocks the running sequences have
+filled since the last.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from specinfer.engine.sequence import Sequence, Status
 class Plan:
     decode: list[Sequence] = field(default_factory=list)
     prefill: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens now)
+    admitted: list[Sequence] = field(default_factory=list)  # given a row this step
 
 
 class Scheduler:
@@ -46,6 +51,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> Plan:
+        for seq in self.running:
+            self.kv.cache_computed(seq)
         for seq in [s for s in self.running if s.prefilled]:  # oldest first
             while seq in self.running and not self.kv.reserve(
                 seq, seq.num_tokens - 1 + self.lookahead
@@ -65,7 +72,8 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
-            n = min(budget, seq.prefill_len)
+            plan.admitted.append(seq)
+            n = min(budget, seq.prefill_len - seq.num_computed)
             plan.prefill.append((seq, n))
             budget -= n
         return plan

@@ -49,6 +49,7 @@ class RequestOutput:
     completion_tokens: int
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    cached_tokens: int = 0  # prompt tokens the prefix cache held
 
 
 class Sequence:
@@ -64,6 +65,9 @@ class Sequence:
         self.status = Status.WAITING
         self.row = -1  # its row in the SSMs' caches
         self.blocks: list[int] = []  # its blocks of the target's cache
+        self.registered_blocks = 0  # its first blocks that the prefix cache knows
+        self.digests: list[bytes] = []  # of its full blocks of tokens (prefix_cache.digest)
+        self.cached_tokens = 0  # prompt tokens found in the prefix cache (first admission)
         self.num_computed = 0  # prefill tokens whose K/V are in the cache (chunked prefill)
         self.prefill_len = len(prompt_ids)  # tokens a prefill feeds (more after a preemption)
         self.preemptions = 0
@@ -85,6 +89,11 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """(prompt + output)[start:end], without joining them."""
+        p = len(self.prompt_ids)
+        return self.prompt_ids[start:end] + self.output_ids[max(start - p, 0) : max(end - p, 0)]
+
     @property
     def prefill_ids(self) -> list[int]:
         """What a prefill feeds: the prompt, and after a preemption the output too, but its
@@ -101,6 +110,11 @@ class Sequence:
         return self.num_computed >= self.prefill_len
 
     @property
+    def num_cached(self) -> int:
+        """Positions whose K/V are in the target's cache (decoding: all but the newest token)."""
+        return self.num_tokens - 1 if self.prefilled else self.num_computed
+
+    @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
@@ -108,6 +122,7 @@ class Sequence:
         m = dict(self.metrics)
         m["per_ssm"] = [dict(s) for s in m["per_ssm"]]
         m["generated_tokens"] = len(self.output_ids)
+        m["cached_tokens"] = self.cached_tokens
         m["decode_s"] = m["ssm_s"] + m["target_s"] + m["verify_s"] + m["commit_s"]
         # The prefill yields the first token; each decode step yields the rest.
         m["tokens_per_step"] = (len(self.output_ids) - 1) / m["steps"] if m["steps"] else 0.0

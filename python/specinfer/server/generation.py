@@ -32,6 +32,7 @@ class Choice:
     params: SamplingParams
     text: str = ""
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the engine's prefix cache held
     finish_reason: str | None = None
     logprobs: list = field(default_factory=list)  # TokenLogprobs, when params.logprobs is set
     prompt_logprobs: list | None = None  # when params.prompt_logprobs is set (the first output's)
@@ -49,11 +50,15 @@ class Job:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def usage(self) -> dict:
-        """OpenAI's usage: each prompt counted once, every choice's completion tokens."""
-        prompt = sum(len(c.prompt_ids) for c in self.choices if c.index % self.n == 0)
+        """OpenAI's usage: each prompt counted once (and how many of its tokens were cached:
+        those of its first choice), every choice's completion tokens."""
+        firsts = [c for c in self.choices if c.index % self.n == 0]
+        prompt = sum(len(c.prompt_ids) for c in firsts)
         completion = sum(c.completion_tokens for c in self.choices if not c.score_only)
+        cached = sum(c.cached_tokens for c in firsts)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}  # fmt: skip
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
 
 
 def prepare(state, body: _Request, prompts: list, param: str, id_prefix: str,
@@ -149,6 +154,7 @@ async def choice_outputs(state, job: Job) -> AsyncIterator[tuple[Choice, object]
             c.logprobs += item.logprobs or []
             c.prompt_logprobs = c.prompt_logprobs or item.prompt_logprobs
             c.completion_tokens = max(c.completion_tokens, item.completion_tokens)  # abort: 0
+            c.cached_tokens = max(c.cached_tokens, item.cached_tokens)
             if item.finished:
                 c.finish_reason = item.finish_reason
                 open_choices.discard(c.index)
@@ -178,6 +184,7 @@ class Aborted:
     finish_reason: str = "abort"
     logprobs: None = None
     prompt_logprobs: None = None
+    cached_tokens: int = 0
 
 
 async def run_to_end(state, job: Job) -> None:

@@ -18,6 +18,10 @@ Read from `engine.stats()` at every scrape (`EngineCollector`; absent while the 
     specinfer:kv_cache_usage_perc           gauge = kv_used_tokens / kv_capacity_tokens (a
                                             fraction in [0, 1], as vLLM's of that name)
     specinfer:num_preemptions_total         counter = preemptions_total
+    specinfer:prefix_cache_queries_total    counter = prefix_cache_queries_total (tokens a
+                                            prefill looked up in the prefix cache)
+    specinfer:prefix_cache_hits_total       counter = prefix_cache_hits_total (of those, found:
+                                            not prefilled; hit rate in PromQL, as vLLM's)
     specinfer:prompt_tokens_total           counter = prompt_tokens_total
     specinfer:generation_tokens_total       counter = generation_tokens_total
     specinfer:spec_decode_num_drafts_total  counter = spec_drafts_total (verification steps of
@@ -120,6 +124,10 @@ class EngineCollector:
         yield _gauge("kv_cache_usage_perc", "KV cache usage (fraction of token slots in use)",
                      s["kv_used_tokens"] / cap if cap else 0.0)  # fmt: skip
         yield _counter("num_preemptions", "Preemptions", s["preemptions_total"])
+        yield _counter("prefix_cache_queries", "Prefill tokens looked up in the prefix cache",
+                       s["prefix_cache_queries_total"])  # fmt: skip
+        yield _counter("prefix_cache_hits", "Prefill tokens found in the prefix cache",
+                       s["prefix_cache_hits_total"])  # fmt: skip
         yield _counter("prompt_tokens", "Prompt tokens processed", s["prompt_tokens_total"])
         yield _counter("generation_tokens", "Tokens generated", s["generation_tokens_total"])
         yield _counter("spec_decode_num_drafts", "Verification steps of requests",

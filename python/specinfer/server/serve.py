@@ -36,7 +36,8 @@ def build_engine(args):
     from specinfer.cli import engine_from_args
 
     engine = engine_from_args(args, max_batch_size=args.max_batch_size,
-                              max_model_len=args.max_model_len, kv_budget=args.kv_budget)  # fmt: skip
+                              max_model_len=args.max_model_len, kv_budget=args.kv_budget,
+                              prefix_caching=None if args.prefix_caching else False)  # fmt: skip
     if args.warm_up and not args.offload:
         engine.warm_up()
     return engine
