@@ -149,6 +149,7 @@ def draw(result: dict, plt):
         turns = range(1, len(row["per_turn"]) + 1)
         ax.plot(turns, [1000 * t["ttft_s"] for t in row["per_turn"]], marker="o",
                 label=f"prefix caching {name}")  # fmt: skip
+    ax.set_xticks(list(turns))
     ax.set_xlabel("turn of the conversation")
     ax.set_ylabel("time to first token, median (ms)")
     ax.set_title("Multi-turn chats, shared system prompt (batch 1)")
