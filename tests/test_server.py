@@ -660,6 +660,31 @@ def test_usage_and_metrics_report_the_prefix_cache(served):
     )
 
 
+def test_an_api_key_guards_the_v1_routes(served):
+    """A second app over the same engine, with a key: the openai client with the key is
+    served, without it or with another gets 401 (OpenAI's invalid_api_key); /health and
+    /metrics stay open."""
+    server = _ThreadedServer(build_app(served.app.state.server.async_engine, MODEL, "s3cret"))
+    base = f"http://127.0.0.1:{server.port}"
+    try:
+
+        def client(key):
+            return openai.OpenAI(base_url=f"{base}/v1", api_key=key, timeout=60, max_retries=0)
+
+        r = client("s3cret").chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12,
+                                                     temperature=0)  # fmt: skip
+        assert r.choices[0].message.content == served.refs["chat"].text
+        for key in ("wrong", "s3cret2", "bearer s3cret"):
+            with pytest.raises(openai.AuthenticationError) as e:
+                client(key).models.list()
+            assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+        assert httpx.get(f"{base}/v1/models", timeout=10).status_code == 401  # no header
+        assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+        assert httpx.get(f"{base}/metrics", timeout=10).status_code == 200
+    finally:
+        server.stop()
+
+
 # -- `specinfer serve` -------------------------------------------------------------------------
 
 
@@ -670,9 +695,9 @@ def test_serve_subprocess_sigterm(smollm_gguf, tmp_path):
            "--max-batch-size", "2", "--max-model-len", "512", "--shutdown-timeout", "3",
            "--log-level", "warning"]  # fmt: skip
     out, err = open(tmp_path / "out.txt", "w+"), open(tmp_path / "err.txt", "w+")
-    proc = subprocess.Popen(
-        cmd, stdout=out, stderr=err, env={**os.environ, "PYTHONUNBUFFERED": "1"}
-    )
+    # The key from the environment (the client below sends it as its api_key).
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "SPECINFER_API_KEY": "x"}
+    proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env)
     base = f"http://127.0.0.1:{port}"
 
     def logs() -> str:
@@ -680,7 +705,7 @@ def test_serve_subprocess_sigterm(smollm_gguf, tmp_path):
         return (tmp_path / "out.txt").read_text() + (tmp_path / "err.txt").read_text()
 
     try:
-        with httpx.Client(base_url=base, timeout=60) as http:
+        with httpx.Client(base_url=base, timeout=60, headers={"Authorization": "Bearer x"}) as http:
             deadline, status = time.monotonic() + 120, None
             while status != 200:
                 assert proc.poll() is None, f"serve exited early ({proc.returncode}):\n{logs()}"
@@ -694,6 +719,7 @@ def test_serve_subprocess_sigterm(smollm_gguf, tmp_path):
             # The server warmed up on requests of its own (Engine.warm_up), which it does not count.
             assert re.search(r"^specinfer:prompt_tokens_total 0\.0$", http.get("/metrics").text,
                              re.MULTILINE)  # fmt: skip
+            assert httpx.get(f"{base}/v1/models").status_code == 401  # the key is asked for
             client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", timeout=60, max_retries=0)
             r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
             assert r.choices[0].text and r.usage.completion_tokens >= 1

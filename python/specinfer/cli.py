@@ -213,6 +213,12 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
+        "--api-key",
+        default=None,
+        help="requests to /v1 must send 'Authorization: Bearer KEY' (default: "
+        "$SPECINFER_API_KEY; none: open). /health and /metrics stay open",
+    )
+    serve.add_argument(
         "--served-model-name",
         default=None,
         help="the name clients pass as 'model' (default: the model file or directory name, "

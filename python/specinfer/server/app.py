@@ -2,11 +2,14 @@
 
 The app can exist before its engine (`specinfer serve` listens while the model loads): /health
 answers 503 until `state.attach(async_engine)`, and again once `state.draining` is set
-(shutdown), when every new generation request gets a 503 too.
+(shutdown), when every new generation request gets a 503 too. With an API key, every /v1 route
+asks for it (`Authorization: Bearer KEY`, as OpenAI's clients send it; 401 otherwise); /health
+and /metrics stay open, for load balancers and scrapers.
 """
 
 from __future__ import annotations
 
+import hmac
 import time
 
 from fastapi import FastAPI, Request
@@ -59,12 +62,23 @@ class ServerState:
             )  # fmt: skip
 
 
-def build_app(async_engine, served_model_name: str) -> FastAPI:
+def build_app(async_engine, served_model_name: str, api_key: str | None = None) -> FastAPI:
     """The OpenAI-compatible app. async_engine may be None (not ready yet; see ServerState)."""
     app = FastAPI(title="specinfer", docs_url=None, redoc_url=None)
     state = ServerState(async_engine, served_model_name)
     app.state.server = state
     install_handlers(app)
+    if api_key:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def authorize(request: Request, call_next):
+            given = request.headers.get("authorization", "").encode()
+            if request.url.path.startswith("/v1") and not hmac.compare_digest(given, expected):
+                return error_response(401, "missing or incorrect API key (send the header "
+                                      "'Authorization: Bearer <key>')", None, "invalid_api_key")  # fmt: skip
+            return await call_next(request)
+
     app.include_router(completions.router)
     app.include_router(chat.router)
 

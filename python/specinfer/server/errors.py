@@ -1,8 +1,8 @@
 """OpenAI-style errors: every failure answers `{"error": {"message", "type", "param", "code"}}`.
 
 400 invalid_request_error: bad JSON, wrong types, missing fields, bad values (SamplingParams'
-ValueError message), too long a prompt or completion for the context; 404: unknown model or
-route; 503: the engine is loading or the server is shutting down; 500: anything else (logged
+ValueError message), too long a prompt or completion for the context; 401: a missing or wrong
+API key (when the server has one); 404: unknown model or route; 503: the engine is loading or the server is shutting down; 500: anything else (logged
 with its traceback here, never sent to the client).
 """
 

@@ -12,6 +12,7 @@ A second SIGINT stops at once. A model that fails to load: the error on stderr, 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 import threading
@@ -49,7 +50,7 @@ def run(args) -> int:
     from specinfer.server.app import build_app
 
     name = args.served_model_name or served_name(args.model)
-    app = build_app(None, name)
+    app = build_app(None, name, args.api_key or os.environ.get("SPECINFER_API_KEY"))
 
     class Server(uvicorn.Server):
         """A signal starts our drain (not uvicorn's immediate stop) and is not re-raised after
