@@ -69,13 +69,19 @@ def test_tp2_greedy_equals_tp1(tiny_pair):  # noqa: F811
 def test_pipeline_stages_equal_one_process(tiny_pair, tp, pp):  # noqa: F811
     """PP=2 (3 layers: 2 + 1) and TP=2 x PP=2: greedy incremental equals one process, and
     speculation (merged SSM + n-gram trees) equals it too: every stage's cache follows the
-    accepted paths."""
+    accepted paths. Second turns (prompt, answer, more) find the first turns' blocks cached in
+    every stage's cache and equal one process prefilling them whole."""
     target, other = tiny_pair
     expected = _ids(Engine(target, dtype="float32").generate(PROMPTS, GREEDY))
+    second = [p + e + [1, 2, 3, 4] for p, e in zip(PROMPTS, expected)]
+    whole = Engine(target, dtype="float32", prefix_caching=False)
+    expected_second = _ids(whole.generate(second, GREEDY))
     with Engine(target, dtype="float32", tensor_parallel=tp, pipeline_parallel=pp) as engine:
         assert list(engine.model.model.owned) == [0, 1]  # rank 0: stage 0's layers
         assert engine.model.lm_head.weight.is_meta  # the head lives on the last stage
         assert _ids(engine.generate(PROMPTS, GREEDY)) == expected
+        assert _ids(engine.generate(second, GREEDY)) == expected_second
+        assert engine.stats()["prefix_cache_hits_total"] > 0
     with Engine(target, dtype="float32", tensor_parallel=tp, pipeline_parallel=pp,
                 ssm=[other, "ngram"], tree="2,1,1", adaptive_tree=False) as engine:  # fmt: skip
         outs = engine.generate(PROMPTS, GREEDY)
