@@ -207,11 +207,27 @@ def test_greedy_feature_head_equals_incremental(
     assert outs[0].metrics["per_ssm"][0]["name"] == f"feature:{head_dir.name}"
 
 
-def test_a_feature_head_turns_prefix_caching_off(tiny_pair, head_dir):  # noqa: F811
-    # It drafts from the target's features of every prompt token: a cached prefix has none.
-    assert not Engine(tiny_pair[0], dtype="float32", ssm=str(head_dir)).prefix_caching
-    with pytest.raises(ValueError, match="prefix_caching is not available with a feature head"):
-        Engine(tiny_pair[0], dtype="float32", ssm=str(head_dir), prefix_caching=True)
+def test_a_cached_prefix_brings_its_features(tiny_pair, layered_head_dir):  # noqa: F811
+    """Prefix caching with a feature head: a second turn takes the first turn's blocks, whose
+    features (kept by block) are copied into its row, so the head reads the target's features
+    at every slot as a teacher-forced forward has them; greedy output equals incremental."""
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    engine = Engine(tiny_pair[0], dtype="float32", ssm=f"feature:{layered_head_dir}",
+                    tree="2,2,1", max_batch_size=1, adaptive_tree=False)  # fmt: skip
+    assert engine.prefix_caching
+    reference = Engine(tiny_pair[0], dtype="float32", prefix_caching=False)
+    first = engine.generate([PROMPT], params)[0]
+    engine.generate([[5, 0] * 12], params)  # another request's features in the row since
+    second = PROMPT + first.token_ids + [1, 2, 3]
+    out = engine.generate([second], params)[0]
+    assert out.metrics["cached_tokens"] >= 16
+    assert out.token_ids == reference.generate([second], params)[0].token_ids
+    seq = second + out.token_ids[:-1]  # the tokens the target has run (or found cached)
+    spec = engine.drafter.ssms[0]
+    want = spec.model.reduce(_features_of(engine.model, seq, LAYERS))
+    got = spec.features[0, 1 : len(seq) + 1]  # column s + 1: slot s
+    assert torch.allclose(got.float(), want.float(), atol=1e-4)
+    assert out.metrics["per_ssm"][0]["accepted"] > 0
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: from replayed graphs

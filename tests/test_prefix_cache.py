@@ -153,15 +153,17 @@ def test_prefix_caching_is_refused_where_it_cannot_apply(tiny_pair):  # noqa: F8
     assert Engine(tiny_pair[0], dtype="float32").prefix_caching
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_chats_later_turns_reuse_its_earlier_ones_default_model(smollm_gguf, dtype):
-    """The default model, its chat template and drafting: each turn of two conversations sharing
-    a system prompt equals the turn prefilled whole, and finds the turns before it cached."""
+@pytest.mark.parametrize("dtype, ssm", [("float32", "default"), ("bfloat16", "default"),
+                                        ("bfloat16", "feature")])  # fmt: skip
+def test_a_chats_later_turns_reuse_its_earlier_ones_default_model(smollm_gguf, dtype, ssm):
+    """The default model, its chat template, its SSM or feature head and prompt lookup: each
+    turn of two conversations sharing a system prompt equals the turn prefilled whole, and
+    finds the turns before it cached."""
     system = {"role": "system", "content": "You are a terse assistant. Answer in one sentence."}
     questions = [["What is the capital of Peru?", "And of Chile?", "Which is further south?"],
                  ["Name a prime number.", "Is it odd?"]]  # fmt: skip
     params = SamplingParams(max_tokens=24, temperature=0)
-    engines = [Engine(smollm_gguf, dtype=dtype, ssm=["default", "ngram"], prefix_caching=on)
+    engines = [Engine(smollm_gguf, dtype=dtype, ssm=[ssm, "ngram"], prefix_caching=on)
                for on in (False, True)]  # fmt: skip
     for chat in questions:
         history, earlier = [system], 0  # tokens of the turns before

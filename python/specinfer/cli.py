@@ -272,8 +272,7 @@ def _add_serve_parser(sub) -> None:
         dest="prefix_caching",
         action="store_false",
         help="prefill every prompt whole: by default a request beginning with the tokens of an "
-        "earlier one (a shared system prompt, a chat's earlier turns) reuses their cached K/V "
-        "(not with a feature head)",
+        "earlier one (a shared system prompt, a chat's earlier turns) reuses their cached K/V",
     )
     serve.add_argument(
         "--no-warm-up",

@@ -77,6 +77,13 @@ class Drafter:
         for s in self.ssms:
             s.reset(rows, max_seq_len)
 
+    def keep_features_by_block(self, blocks: int, block_len: int) -> None:
+        """Feature heads keep the target's features by its KV blocks too (prefix caching: a
+        cached block's features go with its K/V)."""
+        for s in self.ssms:
+            if getattr(s, "reads_features", False):
+                s.keep_by_block(blocks, block_len)
+
     def admit(self, row: int) -> None:
         for s in self.ssms:
             s.admit(row)

@@ -9,6 +9,10 @@ output at the node's parent (its guess of that feature).
 So the head's KV cache keeps only entries made from true features: after verification it keeps
 the root's (its input was the target's feature) and drops the tree's, and its next draft feeds
 the accepted tokens again, now with the target's features for them (as EAGLE does).
+
+With prefix caching the features are also kept by the target's KV blocks (`keep_by_block`), as
+long as the blocks' K/V: a request that takes cached blocks gets their features copied into its
+row, since the target's forward never ran over those tokens for it.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ class FeatureSpeculator(Speculator):
         # holds what the token at slot t reads (zeros at 0: slot 0 has no feature before it).
         self.features = None
         self.drafted = None  # [rows, nodes, H]: the head's output at each node of its last draft
+        self.by_block = None  # [blocks, block_len, H]: the features at each slot of each block
+        self.filled: list[int] = []  # per row: the slots from 0 whose features it holds
 
     def reset(self, rows: int, max_seq_len: int) -> None:
         kv = self.kv
@@ -37,10 +43,20 @@ class FeatureSpeculator(Speculator):
             like = {"dtype": self.model.fc.weight.dtype, "device": self.kv.k[0].device}
             self.features = zeros((rows, 1 + self.kv.max_seq_len, H), **like)
             self.drafted = torch.zeros(rows, 2 * self.tree.num_nodes, H, **like)
+        self.filled = [0] * self.kv.rows
+
+    def keep_by_block(self, blocks: int, block_len: int) -> None:
+        """Keep the features by the target's KV blocks too (prefix caching)."""
+        like = {"dtype": self.features.dtype, "device": self.features.device}
+        self.by_block = zeros((blocks, block_len, self.features.shape[-1]), **like)
 
     def release(self) -> None:
         super().release()
-        self.features = self.drafted = None
+        self.features = self.drafted = self.by_block = None
+
+    def admit(self, row: int) -> None:
+        super().admit(row)
+        self.filled[row] = 0
 
     def write_features(self, batch: list, prefix: list[int], hidden: torch.Tensor,
                        lengths: list[int]) -> None:  # fmt: skip
@@ -50,8 +66,24 @@ class FeatureSpeculator(Speculator):
         reduced = self.model.reduce(hidden)
         for b, (r, start, n) in enumerate(zip(batch, prefix, lengths)):
             n = min(n, end - start)
-            if n > 0:
-                self.features[r.row, start + 1 : start + 1 + n] = reduced[b, :n]
+            if n <= 0:
+                continue
+            if self.by_block is not None:
+                flat = self.by_block.view(-1, self.by_block.shape[-1])
+                filled = self.filled[r.row]
+                if start > filled:  # slots of cached blocks it took
+                    self.features[r.row, filled + 1 : start + 1] = flat[
+                        self._slots(r, filled, start)
+                    ]
+                flat[self._slots(r, start, start + n)] = reduced[b, :n]
+                self.filled[r.row] = max(filled, start + n)
+            self.features[r.row, start + 1 : start + 1 + n] = reduced[b, :n]
+
+    def _slots(self, seq, start: int, stop: int) -> torch.Tensor:
+        """Where slots start..stop-1 of `seq` are in by_block viewed [blocks x block_len, H]."""
+        n = self.by_block.shape[1]
+        return torch.tensor([seq.blocks[s // n] * n + s % n for s in range(start, stop)],
+                            device=self.by_block.device)  # fmt: skip
 
     def commit(self, batch, prefix, paths, trees, max_depths) -> None:
         """Nothing of the tree is kept: its entries came from the head's guessed features. The

@@ -147,6 +147,8 @@ class KVManager:
         self.kv = self.runner.new_cache(self.num_blocks + scratch, self.block_len)
         if self.drafter:
             self.drafter.reset(self.rows, self.row_len)
+            if self.prefix:
+                self.drafter.keep_features_by_block(self.num_blocks + scratch, self.block_len)
         self.free_rows = list(range(self.rows - 1, -1, -1))
         self.free_blocks = list(range(self.num_blocks + scratch - 1, scratch - 1, -1))
 

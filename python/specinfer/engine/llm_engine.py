@@ -102,8 +102,7 @@ class Engine:
         prompts fill the rest in chunks). prefix_caching: full blocks of the target's KV cache
         are kept after their request (until the pool needs them) and a request beginning with
         the same tokens prefills only what follows them (see engine/prefix_cache.py); default
-        on, except for a feature head (it drafts from the target's hidden states of every
-        prompt token) and mode "dsi" (its servers hold their own caches), where it is refused.
+        on, except with mode "dsi" (its servers hold their own caches), where it is refused.
 
         tensor_parallel: N shards each layer over N processes; pipeline_parallel: M gives each
         of M stages a contiguous range of layers (a step's batch flows through them in
@@ -466,12 +465,10 @@ class Engine:
     def _prefix_caching(self, asked: bool | None) -> bool:
         if asked not in (None, True, False):
             raise ValueError(f"prefix_caching must be True, False or None (auto), got {asked!r}")
-        unfit = ("mode 'dsi' (its servers hold their own caches)" if self.mode == "dsi" else
-                 "a feature head (it drafts from the target's hidden states of every prompt "
-                 "token)" if self.drafter and self.drafter.reads_features else None)  # fmt: skip
-        if asked and unfit:
-            raise ValueError(f"prefix_caching is not available with {unfit}")
-        return asked is not False and unfit is None
+        if asked and self.mode == "dsi":
+            raise ValueError("prefix_caching is not available with mode 'dsi' (its servers "
+                             "hold their own caches)")  # fmt: skip
+        return asked is not False and self.mode != "dsi"
 
     def _make_sequences(self, prompts, params) -> list[Seq]:
         if isinstance(prompts, str) or _is_token_ids(prompts) or _is_messages(prompts):
