@@ -9,7 +9,15 @@ from specinfer import Engine, SamplingParams
 from specinfer.engine.kv_manager import KVManager
 from specinfer.engine.prefix_cache import ROOT, PrefixCache, digest
 from specinfer.engine.sequence import Sequence
-from test_speculative import VOCAB, tiny_pair  # noqa: F401
+from test_speculative import (
+    SAMPLED,
+    SAMPLES,
+    VOCAB,
+    _chi_squared_p,
+    _exact_joint,
+    _sample_first3,
+    tiny_pair,  # noqa: F401
+)
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 
@@ -123,6 +131,21 @@ def test_cached_prefixes_decode_as_whole_prefills(tiny_pair, spec):  # noqa: F81
     assert stats["prefix_cache_hits_total"] == sum(g.metrics["cached_tokens"] for g in got)
     assert stats["prefix_cache_queries_total"] == sum(map(len, prompts + [chat, second]))
     assert stats["kv_used_tokens"] == 0 and cached.kv.num_free == 4
+
+
+def test_sampling_from_cached_prefixes_matches_incremental_distribution(tiny_pair):  # noqa: F811
+    """20,000 samples of one 41-token prompt, speculative with sampled children: nearly all but
+    the first requests find its two full blocks cached; the first three tokens' joint
+    distribution is the target's (chi-squared)."""
+    target, other = tiny_pair
+    (prompt,) = _with_shared_prefix(1, seed=6)
+    exact = _exact_joint(Engine(target, dtype="float32"), prompt=prompt)
+    engine = Engine(target, dtype="float32", max_batch_size=512, ssm=other, tree=SAMPLED)
+    counts = _sample_first3(engine, prompt=prompt)
+    assert engine.stats()["prefix_cache_hits_total"] >= 0.9 * SAMPLES * 32
+    stat, p = _chi_squared_p(counts, exact, SAMPLES)
+    print(f"\ncached prefixes, sampled children: chi2 = {stat:.1f}, p = {p:.3f}")
+    assert p > 0.01, f"chi2 = {stat:.1f}, p = {p:.2e}"
 
 
 def test_a_short_pool_evicts_cached_prefixes_and_stays_exact(tiny_pair):  # noqa: F811

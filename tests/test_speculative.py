@@ -546,16 +546,15 @@ def _last_logits(model, ids: list[int]) -> torch.Tensor:
     return model.compute_logits(hidden[0, -1])
 
 
-def _exact_joint(
-    engine: Engine, n: int = 3, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
-) -> dict[tuple, float]:
+def _exact_joint(engine: Engine, n: int = 3, temperature: float = 1.0, top_k: int = 0,
+                 top_p: float = 1.0, prompt: list[int] = PROMPT) -> dict[tuple, float]:  # fmt: skip
     """P(first n tokens) under incremental sampling, from the target's own logits."""
     model = engine.model
     probs: dict[tuple, float] = {(): 1.0}
     for _ in range(n):
         nxt = {}
         for prefix, p in probs.items():
-            logits = _last_logits(model, PROMPT + list(prefix)).double()
+            logits = _last_logits(model, prompt + list(prefix)).double()
             dist = _filtered(torch.softmax(logits / temperature, -1), top_k, top_p)
             for t in range(VOCAB):
                 nxt[prefix + (t,)] = p * dist[t].item()
@@ -581,12 +580,11 @@ def _chi_squared_p(
     return stat, 0.5 * math.erfc(z / math.sqrt(2))
 
 
-def _sample_first3(
-    engine: Engine, n: int = SAMPLES, seeded: bool = True, sampling: dict = PARAMS
-) -> dict[tuple, int]:
+def _sample_first3(engine: Engine, n: int = SAMPLES, seeded: bool = True, sampling: dict = PARAMS,
+                   prompt: list[int] = PROMPT) -> dict[tuple, int]:  # fmt: skip
     params = [SamplingParams(max_tokens=3, seed=s if seeded else None, ignore_eos=True, **sampling)
               for s in range(n)]  # fmt: skip
-    outs = engine.generate([PROMPT] * n, params)
+    outs = engine.generate([prompt] * n, params)
     counts: dict[tuple, int] = {}
     for o in outs:
         key = tuple(o.token_ids[:3])
