@@ -1,5 +1,6 @@
-"""Command line: `specinfer generate "prompt"` streams a completion; `specinfer serve` serves an
-OpenAI-compatible HTTP API; `specinfer train-ssm` distils an SSM."""
+"""Command line: `specinfer generate "prompt"` streams a completion; `specinfer chat` holds a
+conversation on the terminal; `specinfer serve` serves an OpenAI-compatible HTTP API; `specinfer
+train-ssm` distils an SSM."""
 
 from __future__ import annotations
 
@@ -15,6 +16,33 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text from a prompt, streaming it to stdout")
     gen.add_argument("prompt", help="the prompt text")
+    _add_generation_args(gen)
+    gen.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="wrap the prompt in the model's chat template (default: if it has one)",
+    )
+    chat = sub.add_parser(
+        "chat", help="talk with the model: each line you type is a turn, its answer streamed"
+    )
+    _add_generation_args(chat)
+    chat.add_argument("--system", default=None, help="a system prompt for the conversation")
+    _add_serve_parser(sub)
+    train = sub.add_parser(
+        "train-ssm", help="distil a small speculative model (SSM) from the target's layers"
+    )
+    training_command.add_arguments(train)
+    args = parser.parse_args(argv)
+    if args.command == "train-ssm":
+        return training_command.run(args)
+    if args.command == "serve":
+        return _serve(args)
+    return _generate(args)
+
+
+def _add_generation_args(gen) -> None:
+    """The options generate and chat share: model, sampling, speculation, structured output."""
     gen.add_argument(
         "--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)"
     )
@@ -140,23 +168,10 @@ def main(argv: list[str] | None = None) -> int:
         help="structured output: the answer is one of these strings (repeat it)",
     )
     gen.add_argument("--stats", action="store_true", help="print decoding statistics to stderr")
-    gen.add_argument(
-        "--chat",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="wrap the prompt in the model's chat template (default: if it has one)",
-    )
-    _add_serve_parser(sub)
-    train = sub.add_parser(
-        "train-ssm", help="distil a small speculative model (SSM) from the target's layers"
-    )
-    training_command.add_arguments(train)
-    args = parser.parse_args(argv)
-    if args.command == "train-ssm":
-        return training_command.run(args)
-    if args.command == "serve":
-        return _serve(args)
 
+
+def _generate(args) -> int:
+    """generate and chat."""
     from specinfer import SamplingParams  # after parsing: --help stays instant
 
     try:
@@ -177,6 +192,11 @@ def main(argv: list[str] | None = None) -> int:
             choice=args.choice,
         )
         with engine_from_args(args) as engine:  # stops any worker or server processes
+            if args.command == "chat":
+                from specinfer.repl import converse
+
+                converse(engine, params, args.system, _format_stats if args.stats else None)
+                return 0
             use_chat = args.chat if args.chat is not None else bool(engine.tokenizer.chat_template)
             prompt = [{"role": "user", "content": args.prompt}] if use_chat else args.prompt
             for delta in engine.stream(prompt, params):
@@ -358,7 +378,9 @@ def _format_stats(m: dict) -> str:
     per_token = 1000 * decode_s / max(1, tokens - 1)
     return (
         f"[{tokens} tokens, {m['steps']} decode steps, {m['tokens_per_step']:.2f} tokens/step, "
-        f"{per_token:.1f} ms/token (prefill {1000 * m['prefill_s']:.0f} ms; "
+        f"{per_token:.1f} ms/token (prefill {1000 * m['prefill_s']:.0f} ms"
+        + (f", {m['cached_tokens']} prompt tokens cached" if m.get("cached_tokens") else "")
+        + "; "
         f"ssm {1000 * m['ssm_s']:.0f} ms, target {1000 * m['target_s']:.0f} ms, "
         f"verify {1000 * m['verify_s']:.0f} ms, commit {1000 * m['commit_s']:.0f} ms)"
         + "".join(
