@@ -300,7 +300,7 @@ class Engine:
         if self.dsi is not None:
             return self.dsi.step(self)
         plan = self.scheduler.schedule()
-        for s in plan.admitted:  # their prefill starts after what the prefix cache held
+        for s in plan.admitted if self.prefix_caching else ():  # prefills after what it held
             self.counters["prefix_cache_queries_total"] += s.prefill_len
             self.counters["prefix_cache_hits_total"] += s.num_computed
             if not s.preemptions:

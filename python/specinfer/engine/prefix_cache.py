@@ -30,7 +30,6 @@ class PrefixCache:
         self.digest_of: dict[int, bytes] = {}  # the inverse
         self.holders: dict[int, int] = {}  # held block -> sequences holding it
         self.idle: OrderedDict[int, None] = OrderedDict()  # cached, unheld; oldest first
-        self.queried = self.hits = 0  # prompt tokens looked up, and found
 
     def match(self, digests: list[bytes]) -> list[int]:
         """The cached blocks of the longest run of `digests` from the first."""
