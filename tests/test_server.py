@@ -638,6 +638,42 @@ def test_metrics(served):
     assert m["specinfer:requests_finished_total", (("finished_reason", "length"),)] > 0
 
 
+def test_tokenize_counts_what_generation_counts_and_detokenize_reverses_it(served):
+    engine = served.engine
+
+    def post(route, body):
+        return served.http.post(route, json={"model": MODEL, **body})
+
+    r = post("/tokenize", {"messages": CHAT}).json()
+    assert r["tokens"] == engine.prompt_ids(CHAT) and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == MAX_MODEL_LEN
+    chat = served.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1)
+    assert chat.usage.prompt_tokens == r["count"]
+    assert post("/detokenize", {"tokens": r["tokens"]}).json()["prompt"] == (
+        engine.tokenizer.decode(r["tokens"], skip_special_tokens=False)
+    )
+    text = post("/tokenize", {"prompt": PROMPT}).json()
+    assert text["tokens"] == engine.prompt_ids(PROMPT)
+    assert post("/detokenize", {"tokens": text["tokens"]}).json() == {"prompt": PROMPT}
+    assert post("/tokenize", {"prompt": [1, 2, 3]}).json()["tokens"] == [1, 2, 3]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with_tools = post("/tokenize", {"messages": CHAT, "tools": tools}).json()
+    assert with_tools["count"] > r["count"]  # the tools are described to the model
+    bad = [({"prompt": "a", "messages": CHAT}, 400, "either 'prompt' or 'messages'"),
+           ({}, 400, "either 'prompt' or 'messages'"),
+           ({"messages": []}, 400, "messages must not be empty"),
+           ({"messages": CHAT, "tools": [{"type": "function"}]}, 400, "function"),
+           ({"prompt": [10**9]}, 400, "out of range"),
+           ({"prompt": "x" * 20000}, 400, "max_model_len")]  # fmt: skip
+    for body, status, words in bad:
+        r = post("/tokenize", body)
+        assert r.status_code == status and words in r.json()["error"]["message"], (body, r.text)
+    r = post("/detokenize", {"tokens": [-1]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    r = served.http.post("/tokenize", json={"model": "other", "prompt": "a"})
+    assert r.status_code == 404
+
+
 def test_usage_and_metrics_report_the_prefix_cache(served):
     """A chat sent twice: the second's prompt tokens but its last few come from the prefix
     cache (usage.prompt_tokens_details, as OpenAI reports cached tokens), same answer; the
@@ -679,6 +715,8 @@ def test_an_api_key_guards_the_v1_routes(served):
                 client(key).models.list()
             assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
         assert httpx.get(f"{base}/v1/models", timeout=10).status_code == 401  # no header
+        body = {"model": MODEL, "prompt": "hi"}
+        assert httpx.post(f"{base}/tokenize", json=body, timeout=10).status_code == 401
         assert httpx.get(f"{base}/health", timeout=10).status_code == 200
         assert httpx.get(f"{base}/metrics", timeout=10).status_code == 200
     finally:

@@ -235,8 +235,8 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument(
         "--api-key",
         default=None,
-        help="requests to /v1 must send 'Authorization: Bearer KEY' (default: "
-        "$SPECINFER_API_KEY; none: open). /health and /metrics stay open",
+        help="requests must send 'Authorization: Bearer KEY' (default: $SPECINFER_API_KEY; "
+        "none: open), but to /health and /metrics",
     )
     serve.add_argument(
         "--served-model-name",

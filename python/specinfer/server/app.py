@@ -2,9 +2,9 @@
 
 The app can exist before its engine (`specinfer serve` listens while the model loads): /health
 answers 503 until `state.attach(async_engine)`, and again once `state.draining` is set
-(shutdown), when every new generation request gets a 503 too. With an API key, every /v1 route
-asks for it (`Authorization: Bearer KEY`, as OpenAI's clients send it; 401 otherwise); /health
-and /metrics stay open, for load balancers and scrapers.
+(shutdown), when every new generation request gets a 503 too. With an API key, every route asks
+for it (`Authorization: Bearer KEY`, as OpenAI's clients send it; 401 otherwise) but /health and
+/metrics, which stay open for load balancers and scrapers.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
-from specinfer.server import chat, completions
+from specinfer.server import chat, completions, tokens
 from specinfer.server.errors import APIError, error_response, install_handlers
 from specinfer.server.metrics import ServerMetrics
+
+OPEN = ("/health", "/metrics")  # routes an API key does not guard
 
 
 class ServerState:
@@ -74,13 +76,14 @@ def build_app(async_engine, served_model_name: str, api_key: str | None = None) 
         @app.middleware("http")
         async def authorize(request: Request, call_next):
             given = request.headers.get("authorization", "").encode()
-            if request.url.path.startswith("/v1") and not hmac.compare_digest(given, expected):
+            if request.url.path not in OPEN and not hmac.compare_digest(given, expected):
                 return error_response(401, "missing or incorrect API key (send the header "
                                       "'Authorization: Bearer <key>')", None, "invalid_api_key")  # fmt: skip
             return await call_next(request)
 
     app.include_router(completions.router)
     app.include_router(chat.router)
+    app.include_router(tokens.router)
 
     @app.get("/health")
     async def health():
