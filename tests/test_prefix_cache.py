@@ -116,6 +116,15 @@ def test_cached_prefixes_decode_as_whole_prefills(tiny_pair, spec):  # noqa: F81
     assert [g.token_ids for g in got] == [e.token_ids for e in expected]
     assert got[0].metrics["cached_tokens"] == 0 and whole.stats()["prefix_cache_hits_total"] == 0
     assert all(g.metrics["cached_tokens"] >= 32 for g in got[1:])
+    # Four requests of a new prompt at once: one prefills it, the others wait a step for it.
+    (fresh,) = _with_shared_prefix(1, seed=8)
+    together = cached.generate([fresh] * 4, GREEDY)
+    alone = whole.generate(fresh, GREEDY)[0].token_ids
+    assert [t.token_ids for t in together] == [alone] * 4
+    blocks = 16 * ((len(fresh) - 1) // 16)
+    assert sorted(t.metrics["cached_tokens"] for t in together) == [0, blocks, blocks, blocks]
+    got += together
+    prompts += [fresh] * 4
     # A new chat's first turn ending at position 63: its last token's K/V were never computed,
     # so the second turn finds its first 48 positions only.
     (chat,) = _with_shared_prefix(1, seed=4)

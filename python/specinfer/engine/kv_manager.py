@@ -96,6 +96,27 @@ class KVManager:
             self.prefix.register(seq.blocks[i], digests[i])
         seq.registered_blocks = full
 
+    def prefilling(self, seqs: list[Sequence]) -> set[bytes]:
+        """The digests of the blocks these sequences' prefills will fill and have not yet
+        cached (with prefix caching; empty without)."""
+        if self.prefix is None:
+            return set()
+        out = set()
+        for seq in seqs:
+            full = seq.prefill_len // self.block_len
+            out.update(self._digests(seq, full)[seq.registered_blocks :])
+        return out
+
+    def awaits(self, seq: Sequence, prefilling: set[bytes]) -> bool:
+        """Whether the first block of `seq` the cache lacks is one being prefilled (by a
+        sequence admitted before it): admitted a step later, it finds that block cached."""
+        if self.prefix is None or seq.scores_prompt:
+            return False
+        full = (seq.prefill_len - 1) // self.block_len
+        digests = self._digests(seq, full)
+        hit = len(self.prefix.match(digests))
+        return hit < full and digests[hit] in prefilling
+
     def forget_prefixes(self) -> None:
         """Forget every cached prefix (the blocks sequences hold stay theirs)."""
         if self.prefix:

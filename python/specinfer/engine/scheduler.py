@@ -14,7 +14,9 @@ is kept, so what it streams is unchanged.
 
 With prefix caching, a request's prefill starts after the blocks of its first tokens found in the
 cache (kv_manager.py); each step first hands the cache the blocks the running sequences have
-filled since the last.
+filled since the last. A waiting request whose next uncached block another request is prefilling
+waits for it (a step or a chunk), instead of prefilling the same tokens beside it: n choices of
+one prompt, or a burst of requests sharing a system prompt, prefill it once.
 """
 
 from __future__ import annotations
@@ -65,10 +67,14 @@ class Scheduler:
                 n = min(budget, seq.prefill_len - seq.num_computed)
                 plan.prefill.append((seq, n))
                 budget -= n
+        prefilling = self.kv.prefilling([s for s in self.running if not s.prefilled])
         while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if self.kv.awaits(seq, prefilling):
+                break  # in arrival order: those behind it wait too
             if not self.kv.allocate(seq, seq.prefill_len + self.lookahead):
                 break
+            prefilling |= self.kv.prefilling([seq])
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
