@@ -235,8 +235,8 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument(
         "--api-key",
         default=None,
-        help="requests must send 'Authorization: Bearer KEY' (default: $SPECINFER_API_KEY; "
-        "none: open), but to /health and /metrics",
+        help="requests (but to /health and /metrics) must send 'Authorization: Bearer KEY' "
+        "(default: $SPECINFER_API_KEY; none: the server is open)",
     )
     serve.add_argument(
         "--served-model-name",

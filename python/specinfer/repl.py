@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from specinfer.sampling import SamplingParams
 
-ROOM = 16  # tokens an answer has at least: a conversation longer than the context minus this
+ROOM = 16  # tokens of the context left for an answer: a longer conversation loses old turns
 HELP = "(/reset starts a new conversation, /exit or Ctrl-D ends; Ctrl-C stops an answer)"
 
 
