@@ -53,6 +53,7 @@ def converse(engine, params: SamplingParams, system: str | None = None,
             print(f"specinfer: {e}", file=sys.stderr)
             continue
         out.write("\n")
+        out.flush()  # before stderr's lines
         if len(turn) <= len(history):
             print("(the conversation outgrew the context: its oldest turns were dropped)",
                   file=sys.stderr)  # fmt: skip
