@@ -39,16 +39,17 @@ def converse(engine, params: SamplingParams, system: str | None = None,
             continue
         if not text:
             continue
-        turn = _fit(engine, history + [{"role": "user", "content": text}], len(start))
-        answer, finished = "", False
+        answer, finished, turn = "", False, None
         try:
-            for delta in engine.stream(turn, params):
+            turn, ids = _fit(engine, history + [{"role": "user", "content": text}], len(start))
+            for delta in engine.stream(ids, params):
                 answer += delta
                 out.write(delta)
                 out.flush()
             finished = True
         except KeyboardInterrupt:  # the stream's request is aborted as it closes
-            pass
+            if turn is None:  # before it started
+                continue
         except ValueError as e:  # the conversation stays as it was
             print(f"specinfer: {e}", file=sys.stderr)
             continue
@@ -70,16 +71,18 @@ def _read(interactive: bool):
             return
 
 
-def _fit(engine, history: list[dict], kept: int) -> list[dict]:
+def _fit(engine, history: list[dict], kept: int) -> tuple[list[dict], list[int]]:
     """The conversation without its oldest exchanges (after the `kept` first messages) until
-    it leaves an answer ROOM tokens of the context."""
+    it leaves an answer ROOM tokens of the context, and its token ids; ValueError (the
+    engine's) when the new turn alone is longer than the context."""
     limit = engine.max_model_len - ROOM
     while True:
+        alone = len(history) - kept <= 1  # nothing left to drop but the new turn
         try:
-            if len(engine.prompt_ids(history)) <= limit:
-                return history
-        except ValueError:  # longer than the context: drop more
-            pass
-        if len(history) - kept <= 1:  # the new turn alone does not fit: let the engine say so
-            return history
+            ids = engine.prompt_ids(history)
+            if len(ids) <= limit or alone:
+                return history, ids
+        except ValueError:  # longer than the context
+            if alone:
+                raise
         history = history[:kept] + history[kept + 2 :]

@@ -57,7 +57,8 @@ class KVManager:
             self._make_caches()
         if not self.free_rows:
             return False
-        hit = self._cached_prefix(seq)
+        skippable = self._skippable(seq)
+        hit = self.prefix.match(skippable) if skippable else []
         taken_idle = sum(b in self.prefix.idle for b in hit) if hit else 0
         if self._blocks_for(seq, tokens) - len(hit) > self._num_free_blocks() - taken_idle:
             return False
@@ -110,12 +111,9 @@ class KVManager:
     def awaits(self, seq: Sequence, prefilling: set[bytes]) -> bool:
         """Whether the first block of `seq` the cache lacks is one being prefilled (by a
         sequence admitted before it): admitted a step later, it finds that block cached."""
-        if self.prefix is None or seq.scores_prompt:
-            return False
-        full = (seq.prefill_len - 1) // self.block_len
-        digests = self._digests(seq, full)
-        hit = len(self.prefix.match(digests))
-        return hit < full and digests[hit] in prefilling
+        skippable = self._skippable(seq)
+        hit = len(self.prefix.match(skippable)) if skippable else 0
+        return hit < len(skippable) and skippable[hit] in prefilling
 
     def forget_prefixes(self) -> None:
         """Forget every cached prefix (the blocks sequences hold stay theirs)."""
@@ -179,14 +177,13 @@ class KVManager:
     def _num_free_blocks(self) -> int:
         return len(self.free_blocks) + (len(self.prefix.idle) if self.prefix else 0)
 
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """The cached blocks `seq`'s prefill may start after. At least one token is left to
-        prefill (its logits come from that forward), and a prompt that is scored (prompt
-        logprobs) is prefilled whole."""
+    def _skippable(self, seq: Sequence) -> list[bytes]:
+        """The digests of the blocks `seq`'s prefill may skip where the cache holds them (none
+        without prefix caching). At least one token is left to prefill (its logits come from
+        that forward), and a prompt that is scored (prompt logprobs) is prefilled whole."""
         if self.prefix is None or seq.scores_prompt or self.blocks_per_seq == 1:
             return []
-        full = (seq.prefill_len - 1) // self.block_len
-        return self.prefix.match(self._digests(seq, full))
+        return self._digests(seq, (seq.prefill_len - 1) // self.block_len)
 
     def _digests(self, seq: Sequence, blocks: int) -> list[bytes]:
         """The digests of `seq`'s first `blocks` blocks of tokens (kept on the sequence: its

@@ -21,7 +21,7 @@ from specinfer.server import chat, completions, tokens
 from specinfer.server.errors import APIError, error_response, install_handlers
 from specinfer.server.metrics import ServerMetrics
 
-OPEN = ("/health", "/metrics")  # routes an API key does not guard
+UNGUARDED = ("/health", "/metrics")  # routes an API key does not guard
 
 
 class ServerState:
@@ -76,7 +76,7 @@ def build_app(async_engine, served_model_name: str, api_key: str | None = None) 
         @app.middleware("http")
         async def authorize(request: Request, call_next):
             given = request.headers.get("authorization", "").encode()
-            if request.url.path not in OPEN and not hmac.compare_digest(given, expected):
+            if request.url.path not in UNGUARDED and not hmac.compare_digest(given, expected):
                 return error_response(401, "missing or incorrect API key (send the header "
                                       "'Authorization: Bearer <key>')", None, "invalid_api_key")  # fmt: skip
             return await call_next(request)

@@ -14,7 +14,6 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from specinfer.server.errors import APIError
 from specinfer.server.generation import (
     ClientDisconnected,
     prepare,
@@ -36,11 +35,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     state.admit(body.model)
     body.check()
     tools, tokenizer = body.tool_set, state.engine.tokenizer
-    try:
-        prompt = tools.prompt(tokenizer, body.messages) if tools else body.messages
-    except ValueError as e:
-        raise APIError(400, str(e), "messages") from e
-    job = prepare(state, body, [prompt], "messages", "chatcmpl", None)
+    job = prepare(state, body, [body.chat_prompt(tokenizer)], "messages", "chatcmpl", None)
     if body.stream:
         base = {"id": job.id, "object": "chat.completion.chunk", "created": job.created,
                 "model": state.model_name}  # fmt: skip

@@ -242,6 +242,15 @@ class ChatCompletionRequest(_Request):
         the checks, the prompt and every choice's params ask."""
         return parse_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
 
+    def chat_prompt(self, tokenizer) -> list[dict] | list[int]:
+        """The prompt the messages make: with tools, as Tools.prompt renders them; APIError 400
+        for messages the chat template refuses."""
+        tools = self.tool_set
+        try:
+            return tools.prompt(tokenizer, self.messages) if tools else self.messages
+        except ValueError as e:
+            raise APIError(400, str(e), "messages") from e
+
     def structured_error(self, message: str) -> APIError:
         tools = self.tool_set
         if tools and tools.forced:  # the grammar is made of the tools' parameters schemas

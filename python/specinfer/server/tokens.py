@@ -57,14 +57,10 @@ async def detokenize(body: DetokenizeRequest, request: Request):
 
 
 def _chat_prompt(body: TokenizeRequest, tokenizer):
-    """The messages as the chat route renders them (its checks, tool_set and tools' prompt)."""
+    """The messages as the chat route renders them (its checks, tools included)."""
     try:
         chat = ChatCompletionRequest.model_validate(body.model_dump())
     except ValidationError as e:
         first = e.errors()[0]
         raise APIError(400, first["msg"].removeprefix("Value error, "), "messages") from e
-    tools = chat.tool_set
-    try:
-        return tools.prompt(tokenizer, chat.messages) if tools else chat.messages
-    except ValueError as e:
-        raise APIError(400, str(e), "messages") from e
+    return chat.chat_prompt(tokenizer)
