@@ -225,7 +225,8 @@ def _add_serve_parser(sub) -> None:
         "serve",
         help="serve the model over an OpenAI-compatible HTTP API (needs the serve extra)",
         description="OpenAI-compatible server: /v1/completions, /v1/chat/completions, "
-        "/v1/models, /health, /metrics. SIGTERM/SIGINT shut it down gracefully.",
+        "/v1/responses, /v1/models, /tokenize, /detokenize, /health, /metrics. SIGTERM/SIGINT "
+        "shut it down gracefully.",
     )
     serve.add_argument(
         "--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)"

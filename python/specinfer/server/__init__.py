@@ -7,6 +7,10 @@ Each module holds one job:
     generation.py   one HTTP request -> n engine requests, their outputs merged, timed, aborted
     completions.py  /v1/completions      (text_completion, SSE chunks)
     chat.py         /v1/chat/completions (chat.completion, SSE chunks)
+    responses.py    /v1/responses (the Responses API: response objects, typed SSE events, a store)
+    responses_request.py  its body, read as the chat request it amounts to
+    tokens.py       /tokenize, /detokenize
+    tools.py        tool calling: tools described, calls parsed, a forced call's grammar
     sse.py          the SSE response (closes its generator however the stream ends)
     errors.py       OpenAI-style JSON errors and the exception handlers
     metrics.py      Prometheus metrics: server-side latencies, engine counters from stats()

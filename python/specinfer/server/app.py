@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
-from specinfer.server import chat, completions, tokens
+from specinfer.server import chat, completions, responses, tokens
 from specinfer.server.errors import APIError, error_response, install_handlers
 from specinfer.server.metrics import ServerMetrics
 
@@ -32,6 +32,7 @@ class ServerState:
         self.draining = False
         self.jobs: dict = {}  # job id -> (Job, its output queue), while it runs (generation.py)
         self.created = int(time.time())
+        self.responses = responses.ResponseStore()  # stored /v1/responses answers
         self.metrics = ServerMetrics(lambda: self.engine.stats() if self.engine else None)
         if async_engine is not None:
             self.attach(async_engine)
@@ -83,6 +84,7 @@ def build_app(async_engine, served_model_name: str, api_key: str | None = None) 
 
     app.include_router(completions.router)
     app.include_router(chat.router)
+    app.include_router(responses.router)
     app.include_router(tokens.router)
 
     @app.get("/health")

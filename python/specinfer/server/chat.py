@@ -35,7 +35,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     state.admit(body.model)
     body.check()
     tools, tokenizer = body.tool_set, state.engine.tokenizer
-    job = prepare(state, body, [body.chat_prompt(tokenizer)], "messages", "chatcmpl", None)
+    job = prepare(state, body, [body.chat_prompt(tokenizer)], "messages", "chatcmpl-", None)
     if body.stream:
         base = {"id": job.id, "object": "chat.completion.chunk", "created": job.created,
                 "model": state.model_name}  # fmt: skip

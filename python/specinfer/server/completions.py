@@ -30,7 +30,7 @@ async def completions(body: CompletionRequest, request: Request):
     state = request.app.state.server
     state.admit(body.model)
     body.check()
-    job = prepare(state, body, body.prompts(), "prompt", "cmpl", COMPLETIONS_DEFAULT_MAX_TOKENS)
+    job = prepare(state, body, body.prompts(), "prompt", "cmpl-", COMPLETIONS_DEFAULT_MAX_TOKENS)
     base = {"id": job.id, "object": "text_completion", "created": job.created,
             "model": state.model_name}  # fmt: skip
     top, tokenizer, prompts = body.requested_logprobs(), state.engine.tokenizer, body.prompts()

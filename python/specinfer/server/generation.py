@@ -105,7 +105,7 @@ def prepare(state, body: _Request, prompts: list, param: str, id_prefix: str,
             )
         for i, sp in enumerate(params):
             choices.append(Choice(p_index * body.n + i, p_index, ids, sp, score_only=score_only))
-    return Job(f"{id_prefix}-{uuid.uuid4().hex}", choices, body.n)
+    return Job(f"{id_prefix}{uuid.uuid4().hex}", choices, body.n)
 
 
 _END = object()  # a choice's generate() returned

@@ -36,3 +36,8 @@ class SSEResponse(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self._events.aclose()
+
+
+def typed_event(payload: dict) -> str:
+    """An event named by its payload's type (the Responses API's stream: no [DONE] follows)."""
+    return f"event: {payload['type']}\n{event(payload)}"
