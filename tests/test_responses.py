@@ -198,9 +198,21 @@ def test_json_schema_text_format(served):
               "additionalProperties": False}  # fmt: skip
     fmt = {"type": "json_schema", "name": "person", "schema": schema, "strict": True}
     r = served.client.responses.create(model=MODEL, input="A person as JSON.",
-                                       text={"format": fmt}, max_output_tokens=40)  # fmt: skip
+                                       text={"format": fmt}, max_output_tokens=40,
+                                       temperature=0.0)  # fmt: skip
     assert r.status == "completed"
     assert isinstance(json.loads(r.output_text)["age"], int)
+    # The client's stream helper, with a pydantic model for the format: it assembles the events.
+    import pydantic
+
+    class Person(pydantic.BaseModel):
+        age: int
+
+    with served.client.responses.stream(model=MODEL, input="A person as JSON.", text_format=Person,
+                                        max_output_tokens=40, temperature=0.0) as stream:  # fmt: skip
+        deltas = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        final = stream.get_final_response()
+    assert isinstance(final.output_parsed, Person) and final.output_text == deltas
 
 
 _OK = {"model": MODEL, "input": "Hi", "max_output_tokens": 4}
