@@ -438,6 +438,53 @@ def test_tool_calls(served):
                         for t in auto.message.tool_calls or []]  # fmt: skip
 
 
+# A tool-aware template in Llama 3's manner: it describes the tools, asks for its JSON format,
+# and writes earlier calls and tool answers itself.
+LLAMA_STYLE = (
+    '{%- if tools %}<|tools|>Respond in the format {"name": function name, "parameters": '
+    "dictionary of argument name and its value}.\n{% for t in tools %}{{ t | tojson }}\n"
+    "{% endfor %}{% endif %}{% for m in messages %}<|{{ m.role }}|>{% if m.tool_calls %}"
+    '{% for c in m.tool_calls %}{"name": "{{ c.function.name }}", "parameters": '
+    "{{ c.function.arguments | tojson }}}{% endfor %}{% else %}{{ m.content }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_tool_calls_in_the_format_the_template_teaches(served):
+    """A model whose template teaches Llama 3's JSON calls: a forced answer is written in it
+    (and comes back as tool_calls), and the calls and tool answers sent back are rendered by
+    the template, structured, not as our Hermes blocks."""
+    tok = served.engine.tokenizer
+    saved = tok.chat_template
+    tok.chat_template = LLAMA_STYLE
+    try:
+        messages = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+        kw = {"model": MODEL, "tools": TOOLS, "temperature": 0, "max_tokens": 60,
+              "parallel_tool_calls": False, "tool_choice": "required"}  # fmt: skip
+        answer = served.client.chat.completions.create(messages=messages, logprobs=True,
+                                                       **kw).choices[0]  # fmt: skip
+        assert answer.finish_reason == "tool_calls" and answer.message.content is None
+        (call,) = answer.message.tool_calls
+        arguments = json.loads(call.function.arguments)
+        raw = "".join(t.token for t in answer.logprobs.content)  # the answer as generated
+        assert raw.startswith('{"name": "') and '"parameters": {' in raw
+        history = [*messages, answer.message.model_dump(exclude_none=True),
+                   {"role": "tool", "tool_call_id": call.id, "content": "12 C"}]  # fmt: skip
+        body = {"model": MODEL, "messages": history, "tools": TOOLS}
+        rendered = served.http.post("/tokenize", json=body).json()["tokens"]
+        text = tok.decode(rendered, skip_special_tokens=False)
+        written = json.dumps({"name": call.function.name, "parameters": arguments})
+        assert f"<|assistant|>{written}<|tool|>12 C<|assistant|>" in text
+        assert "<tool_call>" not in text and "Respond in the format" in text
+        stream = served.client.chat.completions.create(messages=messages, stream=True, **kw)
+        deltas = [c.choices[0].delta for c in stream if c.choices]
+        (streamed,) = [t for d in deltas for t in d.tool_calls or []]
+        assert (streamed.function.name, streamed.function.arguments) == (
+            call.function.name, call.function.arguments)  # fmt: skip
+    finally:
+        tok.chat_template = saved
+
+
 # -- bad input ---------------------------------------------------------------------------------
 
 _OK = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4}

@@ -11,7 +11,15 @@ import json
 import pytest
 
 from specinfer.server.errors import APIError
-from specinfer.server.tools import CLOSE, OPEN, ToolStream, parse_tools, render_tool_calls
+from specinfer.server.tool_formats import HERMES, LLAMA3_JSON, MISTRAL, template_format
+from specinfer.server.tools import (
+    CLOSE,
+    OPEN,
+    ToolStream,
+    checked_tool_calls,
+    conversation,
+    parse_tools,
+)
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
            "additionalProperties": False}  # fmt: skip
@@ -114,15 +122,22 @@ def test_a_stream_holds_back_a_tool_call(forced):
 def test_earlier_calls_are_written_back_in_the_answer_format():
     calls = [{"id": "call_1", "type": "function",
               "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]  # fmt: skip
-    written = render_tool_calls(None, calls, "messages[1]")
-    assert written == _block("get_weather", {"city": "Oslo"})
-    assert (
-        parse_tools(TOOLS, None, None).parse(written, "stop")[1][0]["function"]
-        == calls[0]["function"]
-    )
-    assert render_tool_calls("Sure.", calls, "m").startswith("Sure.\n" + OPEN)
+    checked = checked_tool_calls(calls, "messages[1]")
+    assert checked[0]["function"]["arguments"] == {"city": "Oslo"}  # the object, as templates take
+    turns = [{"role": "assistant", "content": None, "tool_calls": checked},
+             {"role": "tool", "content": "12 C", "tool_call_id": "call_1"}]  # fmt: skip
+    # A template that does not render tools: the calls in the turn's text, as Hermes blocks.
+    written = conversation(turns, structured=False)
+    assert written == [{"role": "assistant", "content": _block("get_weather", {"city": "Oslo"})},
+                       {"role": "tool", "content": "12 C"}]  # fmt: skip
+    parsed = parse_tools(TOOLS, None, None).parse(written[0]["content"], "stop")[1]
+    assert parsed[0]["function"] == calls[0]["function"]
+    said = conversation([{**turns[0], "content": "Sure."}], structured=False)[0]["content"]
+    assert said.startswith("Sure.\n" + OPEN)
+    # One that does: the messages as they are (content a string).
+    assert conversation(turns, structured=True) == [{**turns[0], "content": ""}, turns[1]]
     with pytest.raises(ValueError, match=r"messages\[1\].tool_calls\[0\] needs a function"):
-        render_tool_calls(None, [{"id": "x"}], "messages[1]")
+        checked_tool_calls([{"id": "x"}], "messages[1]")
 
 
 def test_the_forced_grammar_holds_an_answer_to_calls(smollm_gguf):
@@ -145,6 +160,79 @@ def test_the_forced_grammar_holds_an_answer_to_calls(smollm_gguf):
     for bad in [_block("get_weather", {"town": "Oslo"}), _block("get_news", {}), "Sunny.",
                 good + "\n" + good]:  # fmt: skip
         assert not takes(single, bad), bad
+    # The formats of templates that teach others: what their grammar takes, parse reads.
+    for fmt, answer in [
+        (LLAMA3_JSON, '{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": '
+                      '"get_time", "parameters": {"timezone": "UTC"}}'),
+        (MISTRAL, '[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_time", '
+                  '"arguments": {"timezone": "UTC"}}]'),
+    ]:  # fmt: skip
+        several, single = _with_format(fmt, "required"), _with_format(fmt, "required", False)
+        assert takes(several, answer) and len(several.parse(answer, "stop")[1]) == 2
+        first = answer.split(";")[0] if fmt is LLAMA3_JSON else answer.split("}}, ")[0] + "}}]"
+        assert takes(single, first) and not takes(single, answer), first
+        assert len(single.parse(first, "stop")[1]) == 1
+        assert not takes(several, good)
+
+
+def _with_format(fmt, choice=None, parallel=None):
+    tools = parse_tools(TOOLS, choice, parallel)
+    tools.format = fmt
+    return tools
+
+
+def test_the_format_a_template_teaches():
+    llama = ('Respond in the format {"name": function name, "parameters": dictionary of argument '
+             'name and its value}. {%- for t in tools %}{{ t | tojson }}{% endfor %}')  # fmt: skip
+    assert template_format(llama) is LLAMA3_JSON
+    assert template_format("{{ '[AVAILABLE_TOOLS]' }}{{ tools }}{{ '[TOOL_CALLS]' }}") is MISTRAL
+    assert template_format("<tools>{{ tools }}</tools> answer in <tool_call></tool_call>") is HERMES
+    assert template_format("{{ tools }}") is HERMES  # none we know: the one we ask for
+
+
+def test_llama3_and_mistral_answers_are_calls():
+    weather, time = {"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "get_time"}
+    llama, single = _with_format(LLAMA3_JSON), _with_format(LLAMA3_JSON, parallel=False)
+    for answer, names in [
+        (json.dumps(weather), ["get_weather"]),
+        ("<|python_tag|>" + json.dumps(weather) + "\n", ["get_weather"]),
+        (json.dumps(weather) + "; " + json.dumps(time), ["get_weather", "get_time"]),
+    ]:  # fmt: skip
+        content, calls = llama.parse(answer, "stop")
+        assert content is None and [c["function"]["name"] for c in calls] == names, answer
+        assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+    pair = json.dumps(weather) + ";" + json.dumps(time)
+    bad_arguments = json.dumps({**weather, "parameters": [1]})
+    for answer, t in [("It is sunny.", llama), (pair, single), (json.dumps(weather) + " ok", llama),
+                      ('{"name": "get_news", "parameters": {}}', llama), ("{bad", llama),
+                      (bad_arguments, llama)]:  # fmt: skip
+        assert t.parse(answer, "stop") == (answer, []), answer
+    assert llama.parse(json.dumps(weather), "length") == (json.dumps(weather), [])
+    mistral = _with_format(MISTRAL)
+    call = {"name": "get_weather", "arguments": {"city": "Oslo"}}
+    for answer in ["[TOOL_CALLS] " + json.dumps([call]), json.dumps([call, {"name": "get_time"}])]:
+        content, calls = mistral.parse(answer, "stop")
+        assert content is None and calls[0]["function"]["name"] == "get_weather"
+        assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls)  # its template's rule
+    for answer in ["[1, 2]", "[TOOL_CALLS] []", "Sunny [really]", json.dumps(call)]:
+        assert mistral.parse(answer, "stop") == (answer, []), answer
+
+
+@pytest.mark.parametrize("fmt", [LLAMA3_JSON, MISTRAL])
+def test_a_stream_holds_back_a_whole_answer_call(fmt):
+    call = {"name": "get_weather", fmt.key: {"city": "Oslo"}}
+    text = fmt.tag + " " + (json.dumps([call]) if fmt is MISTRAL else json.dumps(call))
+    stream = ToolStream(_with_format(fmt))
+    assert "".join(stream.feed(ch) for ch in text) == ""
+    rest, calls = stream.finish("stop")
+    assert rest == "" and json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+    for answer in ["It is sunny {really}.", "  {not a call", " [1]"]:
+        stream = ToolStream(_with_format(fmt))
+        sent = "".join(stream.feed(answer[i : i + 2]) for i in range(0, len(answer), 2))
+        rest, calls = stream.finish("stop")
+        assert sent + rest == answer and calls == [], answer
+        held = answer.lstrip().startswith(fmt.open or "{")  # it began as calls do
+        assert sent == ("" if held else answer)  # else sent as it came
 
 
 TOOL_TEMPLATE = (

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, 
 
 from specinfer.sampling import MAX_LOGPROBS, STRUCTURED, SamplingParams
 from specinfer.server.errors import APIError
-from specinfer.server.tools import Tools, parse_tools, render_tool_calls
+from specinfer.server.tools import Tools, checked_tool_calls, conversation, parse_tools
 
 MAX_N = 8  # choices per request (each one an engine request)
 MAX_PROMPTS = 8  # prompts in one /v1/completions request
@@ -246,8 +246,9 @@ class ChatCompletionRequest(_Request):
         """The prompt the messages make: with tools, as Tools.prompt renders them; APIError 400
         for messages the chat template refuses."""
         tools = self.tool_set
+        messages = conversation(self.messages, structured=tokenizer.renders_tools)
         try:
-            return tools.prompt(tokenizer, self.messages) if tools else self.messages
+            return tools.prompt(tokenizer, messages) if tools else messages
         except ValueError as e:
             raise APIError(400, str(e), "messages") from e
 
@@ -278,8 +279,9 @@ class ChatCompletionRequest(_Request):
     @field_validator("messages")
     @classmethod
     def _messages(cls, messages):
-        """Each message {role, content}; content a string or a list of text parts (joined). An
-        assistant message's tool_calls are written into its content (tools.py's format)."""
+        """Each message {role, content}; content a string or a list of text parts (joined), or
+        None in an assistant turn with tool_calls, which are checked and kept (as a tool
+        message's tool_call_id): tools.conversation renders them for the template."""
         if not messages:
             raise ValueError("messages must not be empty")
         out = []
@@ -295,9 +297,13 @@ class ChatCompletionRequest(_Request):
                         raise ValueError(f"messages[{i}]: only text content parts are supported")
                     parts.append(part["text"])
                 content = "".join(parts)
-            if role == "assistant" and m.get("tool_calls"):
-                content = render_tool_calls(content, m["tool_calls"], f"messages[{i}]")
-            if not isinstance(content, str):
+            calls = m.get("tool_calls") if role == "assistant" else None
+            if not isinstance(content, str) and not (content is None and calls):
                 raise ValueError(f"messages[{i}] needs 'content': a string or a list of text parts")
-            out.append({"role": role, "content": content})
+            message = {"role": role, "content": content}
+            if calls:
+                message["tool_calls"] = checked_tool_calls(calls, f"messages[{i}]")
+            if role == "tool" and isinstance(m.get("tool_call_id"), str):
+                message["tool_call_id"] = m["tool_call_id"]
+            out.append(message)
         return out

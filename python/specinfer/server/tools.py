@@ -1,34 +1,35 @@
 """Tool (function) calling on /v1/chat/completions: OpenAI's `tools`, `tool_choice` and
 `parallel_tool_calls`.
 
-The model is told the tools in a system message and calls one by answering
+Where the model's chat template describes tools itself (it reads `tools`, as HF's tool-aware
+templates do), it is given them, and the earlier turns' calls and tool answers as structured
+messages, and its answer is read in the format that template teaches (tool_formats.py: Hermes
+blocks, Llama 3's JSON, Mistral's [TOOL_CALLS]). Otherwise the tools are described in a system
+message that asks for Hermes blocks,
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-(the Hermes format, which many chat models are trained on), one block per call. tool_choice:
+and earlier calls are written into their turns' text in that format. tool_choice:
 - "none": the tools are neither described nor called;
 - "auto" (the default with tools): the answer is free, and is returned as tool_calls when it
-  consists of such blocks, each naming a declared tool with an arguments object;
+  consists of calls, each naming a declared tool with an arguments object;
 - "required", or {"type": "function", "function": {"name": N}}: a grammar holds the answer to
-  such blocks (N's alone), their arguments to the tool's `parameters` schema; like every
-  structured output, exact under speculation.
-Earlier turns come back as messages: an assistant message's tool_calls are rendered in the same
-format, a "tool" message's content as the tool's answer.
+  calls (N's alone), their arguments to the tool's `parameters` schema; like every structured
+  output, exact under speculation.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
 
 from specinfer.server.errors import APIError
+from specinfer.server.tool_formats import HERMES, template_format
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*(?:" + re.escape(CLOSE) + r"|\Z)", re.DOTALL)
+OPEN, CLOSE = HERMES.OPEN, HERMES.CLOSE
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
@@ -42,14 +43,16 @@ class Tools:
     forced: bool = False  # the answer must be tool calls (a grammar holds it to them)
     only: str | None = None  # the one function it must call
     parallel: bool = True
+    format: object = HERMES  # how the model writes calls (tool_formats.py); set by prompt()
 
     def prompt(self, tokenizer, messages: list[dict]) -> list[dict] | list[int]:
-        """The chat prompt: where the model's template describes tools itself (HF's templates
-        take `tools`; Hermes-style ones, Qwen2.5's among them, ask for these very blocks), the
-        conversation it renders with them, as token ids; else the conversation with our
-        system message (`messages`)."""
+        """The chat prompt (`messages` as `conversation` made them for this tokenizer): where
+        the model's template describes tools itself, the conversation it renders with them, as
+        token ids, answered in the format it teaches; else the conversation with our system
+        message."""
         if not tokenizer.renders_tools:
             return self.messages(messages)
+        self.format = template_format(tokenizer.tool_template)
         return tokenizer.chat_ids(messages, tools=self.declared)
 
     def system_prompt(self) -> str:
@@ -74,46 +77,34 @@ class Tools:
         return [{"role": "system", "content": self.system_prompt()}, *messages]
 
     def grammar(self) -> str:
-        """A Lark grammar (llguidance's dialect) for an answer of tool-call blocks only."""
+        """A Lark grammar (llguidance's dialect) for an answer of tool calls only."""
         names = [self.only] if self.only else list(self.functions)
+        key = self.format.key
         call = {"anyOf": [{
             "type": "object",
-            "properties": {"name": {"const": name}, "arguments": self.functions[name][1]},
-            "required": ["name", "arguments"],
+            "properties": {"name": {"const": name}, key: self.functions[name][1]},
+            "required": ["name", key],
             "additionalProperties": False,
         } for name in names]}  # fmt: skip
-        repeat = ' ("\\n" call)*' if self.parallel else ""
-        return (
-            f"start: call{repeat}\n"
-            f'call: "{OPEN}\\n" body "\\n{CLOSE}"\n'
-            f"body: %json {json.dumps(call)}\n"
-        )
+        return self.format.grammar(call, self.parallel)
 
     def parse(self, text: str, finish_reason: str | None) -> tuple[str | None, list[dict]]:
-        """(content, tool_calls) of an answer: its tool-call blocks as OpenAI tool_calls, when
-        it ended ("stop"), has some, and every one names a declared tool with an arguments
-        object (the text around them, trailing whitespace cut, is the content: None if blank);
-        else (text, [])."""
-        blocks = list(_BLOCK.finditer(text)) if finish_reason == "stop" else []
-        calls = []
-        for block in blocks:
-            try:
-                call = json.loads(block.group(1))
-            except json.JSONDecodeError:
-                return text, []
-            if (not isinstance(call, dict) or call.get("name") not in self.functions
-                    or not isinstance(call.get("arguments", {}), dict)):  # fmt: skip
-                return text, []
-            calls.append({
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {"name": call["name"],
-                             "arguments": json.dumps(call.get("arguments", {}))},
-            })  # fmt: skip
-        if not calls or (len(calls) > 1 and not self.parallel):
+        """(content, tool_calls) of an answer: its calls as OpenAI tool_calls, when it ended
+        ("stop"), has some, and every one names a declared tool with an arguments object (the
+        text around them, trailing whitespace cut, is the content: None if blank); else
+        (text, [])."""
+        found = self.format.calls(text) if finish_reason == "stop" else None
+        if found is None or (len(found[1]) > 1 and not self.parallel):
             return text, []
-        content = _BLOCK.sub("", text).rstrip()
-        return content or None, calls
+        content, calls = found
+        out = []
+        for call in calls:
+            arguments = call.get(self.format.key, {}) if isinstance(call, dict) else None
+            if not isinstance(arguments, dict) or call.get("name") not in self.functions:
+                return text, []
+            out.append({"id": self.format.call_id(), "type": "function",
+                        "function": {"name": call["name"], "arguments": json.dumps(arguments)}})  # fmt: skip
+        return content or None, out
 
 
 class ToolStream:
@@ -130,45 +121,58 @@ class ToolStream:
         self.text += text
         if self.tools.forced:
             return ""
-        hold = self.text.find(OPEN, self.sent)
-        if hold < 0:  # keep back a tail that may begin the opening tag
-            hold = len(self.text)
-            for k in range(min(len(OPEN) - 1, len(self.text) - self.sent), 0, -1):
-                if OPEN.startswith(self.text[-k:]):
-                    hold -= k
-                    break
-        while hold > self.sent and self.text[hold - 1].isspace():  # sent once text follows
-            hold -= 1
-        out, self.sent = self.text[self.sent : hold], max(self.sent, hold)
+        hold = self.tools.format.sendable(self.text, self.sent)
+        out, self.sent = self.text[self.sent : hold], hold
         return out
 
     def finish(self, finish_reason: str | None) -> tuple[str, list[dict]]:
         """At the end of the answer: (content not sent yet, tool_calls)."""
-        calls = self.tools.parse(self.text, finish_reason)[1]
+        content, calls = self.tools.parse(self.text, finish_reason)
         if not calls:
             return self.text[self.sent :], []
-        # What was sent precedes the first block, so it begins the text around the blocks.
-        return _BLOCK.sub("", self.text)[self.sent :].rstrip(), calls
+        # What was sent precedes the first call, so it begins the text around the calls.
+        return (content or "")[self.sent :], calls
 
 
-def render_tool_calls(content: str | None, tool_calls, where: str) -> str:
-    """An earlier assistant turn's content with its OpenAI tool_calls written after it, in the
-    format the model is asked to answer in; ValueError naming `where` for a malformed call."""
+def checked_tool_calls(tool_calls, where: str) -> list[dict]:
+    """An assistant message's OpenAI tool_calls, each {"id", "type": "function", "function":
+    {"name", "arguments"}}, the arguments the object their JSON string holds (what chat
+    templates take); ValueError naming `where` for a malformed call."""
     if not isinstance(tool_calls, list):
         raise ValueError(f"{where}.tool_calls must be a list")
-    blocks = [content] if content else []
+    out = []
     for j, call in enumerate(tool_calls):
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise ValueError(f"{where}.tool_calls[{j}] needs a function with a name")
         arguments = fn.get("arguments") or "{}"
-        try:  # a JSON string in OpenAI's messages; written back as the object it holds
+        try:
             arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
         except json.JSONDecodeError:
-            pass
-        call_json = json.dumps({"name": fn["name"], "arguments": arguments})
-        blocks.append(f"{OPEN}\n{call_json}\n{CLOSE}")
-    return "\n".join(blocks)
+            pass  # kept as the text it is
+        out.append({"id": str(call.get("id") or ""), "type": "function",
+                    "function": {"name": fn["name"], "arguments": arguments}})  # fmt: skip
+    return out
+
+
+def conversation(messages: list[dict], structured: bool) -> list[dict]:
+    """Checked chat messages as a chat template is given them: `structured` (a template that
+    renders tools, and so calls and their answers: each turn's tool_calls, each tool message's
+    tool_call_id), or with a turn's calls written after its text in Hermes blocks, the format our
+    system message asks for."""
+    out = []
+    for m in messages:
+        content, calls = m["content"], m.get("tool_calls")
+        if structured:
+            out.append({**m, "content": content or ""})
+            continue
+        blocks = [content] if content else []
+        for call in calls or []:
+            fn = call["function"]
+            call_json = json.dumps({"name": fn["name"], "arguments": fn["arguments"]})
+            blocks.append(f"{OPEN}\n{call_json}\n{CLOSE}")
+        out.append({"role": m["role"], "content": "\n".join(blocks)})
+    return out
 
 
 def parse_tools(tools, tool_choice, parallel_tool_calls) -> Tools | None:
