@@ -145,6 +145,26 @@ def test_cli_json_schema_from_a_file(smollm_gguf, tmp_path, capsys):
     assert rc == 2 and "regex is not valid" in capsys.readouterr().err
 
 
+def test_cli_chat_template(smollm_gguf, tmp_path, monkeypatch, capsys):
+    """--chat-template (a file or the template itself) renders the prompt instead of the
+    model's; a missing file or a template that does not compile is refused before loading."""
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant] "
+    seen = []
+    monkeypatch.setattr(Engine, "stream", lambda self, prompt, params: seen.append(
+        self.tokenizer.apply_chat_template(prompt)) or iter(()))  # fmt: skip
+    file = tmp_path / "template.jinja"
+    file.write_text(template)
+    for value in (template, str(file)):
+        args = ["generate", "Hi", "--model", str(smollm_gguf), "--mode", "incremental"]
+        assert cli_main([*args, "--chat-template", value]) == 0
+    assert seen == ["[user] Hi\n[assistant] "] * 2
+    for value, error in (("no/such.jinja", "no such file"), ("{% for %}", "does not compile")):
+        assert (
+            cli_main(["generate", "Hi", "--model", "no/such/model", "--chat-template", value]) == 2
+        )
+        assert error in capsys.readouterr().err
+
+
 def test_cli_reports_bad_arguments(capsys):
     assert cli_main(["generate", "hi", "--model", "no/such/model.gguf"]) == 2
     assert "not found" in capsys.readouterr().err

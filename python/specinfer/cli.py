@@ -47,6 +47,7 @@ def _add_generation_args(gen) -> None:
         "--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)"
     )
     gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--chat-template", default=None, help=CHAT_TEMPLATE_HELP)
     # SmolLM2's model card samples with temperature 0.2, top_p 0.9; a mild frequency penalty
     # keeps a small model from looping. (HF's repetition penalty scales logits, so it moves the
     # SSM's differently offset logits unlike the target's: fewer drafts accepted. The OpenAI
@@ -246,6 +247,7 @@ def _add_serve_parser(sub) -> None:
         "SmolLM2-135M-Instruct for the default model)",
     )
     serve.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16")
+    serve.add_argument("--chat-template", default=None, help=CHAT_TEMPLATE_HELP)
     serve.add_argument("--device", default="cpu")
     serve.add_argument("--threads", type=int, default=None)
     serve.add_argument(
@@ -363,7 +365,8 @@ def engine_from_args(args, **serving):
         # 0.96x (serve_zen3_default_candidates_d1ca7ab.json). Prompt lookup alone (the only
         # drafter for other models): 1.06x on an older run (spec_paired.json).
         ssm = DEFAULT_DRAFTING if ships_an_ssm(args.model) else ["ngram"]
-    return Engine(args.model, dtype=args.dtype, device=args.device, threads=args.threads,
+    template = read_chat_template(args.chat_template) if args.chat_template else None
+    engine = Engine(args.model, dtype=args.dtype, device=args.device, threads=args.threads,
                   ssm=ssm, tree=args.tree, mode=args.mode, ssm_head=args.ssm_head,
                   ssm_int8=args.ssm_int8, adaptive_tree=not args.whole_trees,
                   max_tree_nodes=args.max_tree_nodes,
@@ -372,6 +375,30 @@ def engine_from_args(args, **serving):
                   offload_dir=args.offload_dir, resident_layers=args.resident_layers,
                   target_servers=getattr(args, "target_servers", 1),
                   lookahead=getattr(args, "lookahead", None), **serving)  # fmt: skip
+    if template is not None:
+        engine.tokenizer.use_template(template)
+    return engine
+
+
+CHAT_TEMPLATE_HELP = (
+    "render chats with this Jinja template (a file, or the template itself) instead of the "
+    "model's: for a model that has none, or one that renders tools wrongly"
+)
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template's template: a file's text, or the value itself if it is a template."""
+    from specinfer.tokenizer import check_template
+
+    path = Path(value).expanduser()
+    if path.is_file():
+        source = path.read_text()
+    elif "{{" in value or "{%" in value:
+        source = value
+    else:
+        raise ValueError(f"--chat-template: no such file, and not a template: {value}")
+    check_template(source)  # before the model loads
+    return source
 
 
 def _format_stats(m: dict) -> str:

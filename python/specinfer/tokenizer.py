@@ -63,6 +63,12 @@ class TokenizerWrapper:
             if self.named_templates else chat_template
         )  # fmt: skip
 
+    def use_template(self, source: str) -> None:
+        """Render chats (with tools too) by this template instead of the model's; ValueError
+        for one that does not compile."""
+        check_template(source)
+        self.chat_template, self.named_templates = source, {}
+
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
@@ -239,6 +245,14 @@ def _raise(message: str):
 
 _templates: dict[str, jinja2.Template] = {}
 _READS_TOOLS = re.compile(r"\{[{%][^}%]*\btools\b")  # `tools` inside a {{ }} or {% %} tag
+
+
+def check_template(source: str) -> None:
+    """ValueError, with jinja's reason, for a chat template that does not compile."""
+    try:
+        _compile_template(source)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"the chat template does not compile: {e}") from e
 
 
 def _compile_template(source: str) -> jinja2.Template:
