@@ -485,6 +485,34 @@ def test_tool_calls_in_the_format_the_template_teaches(served):
         tok.chat_template = saved
 
 
+def test_continue_final_message_and_add_generation_prompt(served):
+    """vLLM's extensions: the model goes on with the last (assistant) message's content, greedy
+    as a completion of the same ids; add_generation_prompt false leaves the turn unopened."""
+    tok = served.engine.tokenizer
+    started = [*CHAT, {"role": "assistant", "content": "1. Red"}]
+    reply = served.client.chat.completions.create(
+        model=MODEL, messages=started, max_tokens=8, temperature=0,
+        extra_body={"continue_final_message": True})  # fmt: skip
+    ids = tok.chat_ids(started, continue_final=True)
+    assert tok.decode(ids).endswith("assistant\n1. Red")
+    # The engine is the server's now: the reference is a completion of those very ids.
+    reference = served.client.completions.create(model=MODEL, prompt=ids, max_tokens=8,
+                                                 temperature=0).choices[0]  # fmt: skip
+    assert reply.choices[0].message.content == reference.text
+    assert reply.usage.prompt_tokens == len(ids)
+
+    def count(**extra) -> int:
+        return served.http.post("/tokenize", json={"model": MODEL, "messages": CHAT,
+                                                   **extra}).json()["count"]  # fmt: skip
+
+    opened = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    assert count() - count(add_generation_prompt=False) == len(opened)
+    both = {"model": MODEL, "messages": started, "continue_final_message": True,
+            "add_generation_prompt": True}  # fmt: skip
+    r = served.http.post("/v1/chat/completions", json=both)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+
+
 # -- bad input ---------------------------------------------------------------------------------
 
 _OK = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4}

@@ -43,6 +43,32 @@ def test_chat_template_matches_transformers(default_tokenizer, hf_tokenizer):
     )  # 4 turns + the generation prompt, each kept whole
 
 
+CONTINUED = [{"role": "user", "content": "A JSON person, please."},
+             {"role": "assistant", "content": '{"name": "'}]  # fmt: skip
+
+
+def test_a_final_message_is_continued(smollm_gguf):
+    """continue_final: the prompt ends where the last message's content does, so the model goes
+    on with it; a template that does not write the content cannot continue it."""
+    tok = TokenizerWrapper.from_path(smollm_gguf)
+    ours = tok.apply_chat_template(CONTINUED, continue_final=True)
+    closed = tok.apply_chat_template(CONTINUED, add_generation_prompt=False)
+    assert ours.endswith('<|im_start|>assistant\n{"name": "') and closed.startswith(ours)
+    assert closed[len(ours) :] == "<|im_end|>\n"
+    assert tok.chat_ids(CONTINUED, continue_final=True) == tok.encode(
+        ours, add_special_tokens=False
+    )
+    tok.use_template("{% for m in messages %}<{{ m.role }}>{% endfor %}")
+    with pytest.raises(ValueError, match="cannot be continued"):
+        tok.apply_chat_template(CONTINUED, continue_final=True)
+
+
+def test_a_continued_message_matches_transformers(default_tokenizer, hf_tokenizer):
+    theirs = hf_tokenizer.apply_chat_template(CONTINUED, tokenize=False,
+                                              continue_final_message=True)  # fmt: skip
+    assert default_tokenizer.apply_chat_template(CONTINUED, continue_final=True) == theirs
+
+
 def test_special_tokens_are_skipped_when_decoding(default_tokenizer):
     ids = default_tokenizer.encode("<|im_start|>user\nhi<|im_end|>")
     assert default_tokenizer.decode(ids) == "user\nhi"

@@ -252,12 +252,13 @@ def test_a_template_that_renders_tools_is_given_them(smollm_gguf):
     tools = parse_tools(TOOLS, None, None)
     messages = [{"role": "user", "content": "Weather in Oslo?"}]
     assert not tok.renders_tools
-    ours = tools.prompt(tok, messages)
+    ours, declared = tools.prompt(tok, messages)
     assert ours[0]["role"] == "system" and "get_weather" in ours[0]["content"]
-    assert ours[1:] == messages
+    assert ours[1:] == messages and declared is None
     tok.chat_template = TOOL_TEMPLATE
     assert tok.renders_tools
-    rendered = tok.decode(tools.prompt(tok, messages))
+    given, declared = tools.prompt(tok, messages)
+    rendered = tok.apply_chat_template(given, tools=declared)
     assert rendered == "<tools>get_weather;get_time;</tools>\n<user>Weather in Oslo?\n<assistant>"
     tok.chat_template = "You may have tools. {{ raise_exception('roles must alternate') }}"
     assert not tok.renders_tools  # the word alone is not the variable

@@ -94,9 +94,12 @@ class TokenizerWrapper:
         return bool(self.tool_template) and bool(_READS_TOOLS.search(self.tool_template))
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:  # fmt: skip
+                            tools: list[dict] | None = None,
+                            continue_final: bool = False) -> str:  # fmt: skip
         """The conversation as the model's chat template writes it; `tools`: OpenAI's function
-        list, for a template that renders_tools."""
+        list, for a template that renders_tools. continue_final: the text ends where the last
+        message's content does (no end of turn, no generation prompt), for the model to go on
+        with it."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; pass a plain prompt instead")
         for i, m in enumerate(messages):
@@ -104,23 +107,32 @@ class TokenizerWrapper:
                 raise ValueError(
                     f"chat message {i} must be a dict with 'role' and 'content', got {m!r}"
                 )
+        if continue_final:  # rendered with a mark after the content, cut there
+            last = messages[-1]
+            messages = [*messages[:-1], {**last, "content": (last["content"] or "") + _CUT}]
         template = _compile_template(self.tool_template if tools else self.chat_template)
         try:
-            return template.render(
+            text = template.render(
                 messages=messages,
-                add_generation_prompt=add_generation_prompt,
+                add_generation_prompt=add_generation_prompt and not continue_final,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
                 **({"tools": tools} if tools else {}),
             )
         except jinja2.TemplateError as e:  # e.g. raise_exception("roles must alternate ...")
             raise ValueError(f"the model's chat template refused these messages: {e}") from e
+        if continue_final:
+            if _CUT not in text:
+                raise ValueError("the chat template does not write the final message's content, "
+                                 "so it cannot be continued")  # fmt: skip
+            text = text[: text.index(_CUT)]
+        return text
 
-    def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def chat_ids(self, messages: list[dict], tools: list[dict] | None = None,
+                 add_generation_prompt: bool = True, continue_final: bool = False) -> list[int]:  # fmt: skip
         """The rendered conversation's token ids (the template writes any BOS it wants)."""
-        return self.encode(
-            self.apply_chat_template(messages, tools=tools), add_special_tokens=False
-        )
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, continue_final)
+        return self.encode(text, add_special_tokens=False)
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -244,6 +256,7 @@ def _raise(message: str):
 
 
 _templates: dict[str, jinja2.Template] = {}
+_CUT = "\x00specinfer:continue\x00"  # marks where a continued final message ends
 _READS_TOOLS = re.compile(r"\{[{%][^}%]*\btools\b")  # `tools` inside a {{ }} or {% %} tag
 
 

@@ -235,6 +235,10 @@ class ChatCompletionRequest(_Request):
     tools: list | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: StrictBool | None = None
+    # Extensions (vLLM's): end the prompt without the assistant's turn opening, or continue the
+    # last message (an answer's beginning, given) where its content ends.
+    add_generation_prompt: StrictBool | None = None  # None: true, unless continuing
+    continue_final_message: StrictBool = False
 
     @cached_property
     def tool_set(self) -> Tools | None:
@@ -242,13 +246,19 @@ class ChatCompletionRequest(_Request):
         the checks, the prompt and every choice's params ask."""
         return parse_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
 
-    def chat_prompt(self, tokenizer) -> list[dict] | list[int]:
-        """The prompt the messages make: with tools, as Tools.prompt renders them; APIError 400
-        for messages the chat template refuses."""
+    def chat_prompt(self, tokenizer) -> list[int]:
+        """The token ids the messages make (with tools, as Tools.prompt has them rendered);
+        APIError 400 for messages the chat template refuses or a continuation it cannot make."""
+        if self.continue_final_message and self.add_generation_prompt:
+            raise APIError(400, "continue_final_message and add_generation_prompt cannot both "
+                           "be true", "continue_final_message")  # fmt: skip
         tools = self.tool_set
         messages = conversation(self.messages, structured=tokenizer.renders_tools)
+        messages, declared = tools.prompt(tokenizer, messages) if tools else (messages, None)
         try:
-            return tools.prompt(tokenizer, messages) if tools else messages
+            return tokenizer.chat_ids(messages, tools=declared,
+                                      add_generation_prompt=self.add_generation_prompt is not False,
+                                      continue_final=self.continue_final_message)  # fmt: skip
         except ValueError as e:
             raise APIError(400, str(e), "messages") from e
 

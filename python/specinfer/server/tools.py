@@ -45,15 +45,14 @@ class Tools:
     parallel: bool = True
     format: object = HERMES  # how the model writes calls (tool_formats.py); set by prompt()
 
-    def prompt(self, tokenizer, messages: list[dict]) -> list[dict] | list[int]:
-        """The chat prompt (`messages` as `conversation` made them for this tokenizer): where
-        the model's template describes tools itself, the conversation it renders with them, as
-        token ids, answered in the format it teaches; else the conversation with our system
-        message."""
+    def prompt(self, tokenizer, messages: list[dict]) -> tuple[list[dict], list[dict] | None]:
+        """The messages (as `conversation` made them for this tokenizer) and the tools to render
+        them with: where the model's template describes tools itself, the request's, answered in
+        the format the template teaches; else none, and our system message."""
         if not tokenizer.renders_tools:
-            return self.messages(messages)
+            return self.messages(messages), None
         self.format = template_format(tokenizer.tool_template)
-        return tokenizer.chat_ids(messages, tools=self.declared)
+        return messages, self.declared
 
     def system_prompt(self) -> str:
         listed = "\n".join(
