@@ -513,6 +513,22 @@ def test_continue_final_message_and_add_generation_prompt(served):
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
 
 
+def test_the_served_engine_refuses_requests_from_other_threads(served):
+    """While an AsyncEngine runs the engine, a request sent to the Engine itself is refused (it
+    would corrupt the batch the engine thread holds); the server goes on serving."""
+    with pytest.raises(RuntimeError, match="AsyncEngine runs this engine"):
+        served.engine.generate(PROMPT, SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="AsyncEngine runs this engine"):
+        served.engine.add_request(PROMPT, SamplingParams(max_tokens=2), request_id="intruder")
+    assert served.engine.scheduler.find("intruder") is None  # not queued beside the thread's
+    with pytest.raises(RuntimeError, match="AsyncEngine runs this engine"):
+        served.engine.step()
+    ref = served.refs["completion"]
+    out = served.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert out.choices[0].text == ref.text
+    assert served.http.get("/health").json() == {"status": "ok"}
+
+
 # -- bad input ---------------------------------------------------------------------------------
 
 _OK = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4}

@@ -2,7 +2,8 @@
 
 Callers (the HTTP server) `async for` over `generate(...)`; leaving the loop early (a client
 that disconnected, a cancelled task) aborts the request, which frees its rows at the next step.
-The engine itself is touched by its thread only: requests and aborts reach it through a queue.
+The engine itself is touched by its thread only: requests and aborts reach it through a queue
+(and the Engine refuses them from any other thread while this one runs it).
 """
 
 from __future__ import annotations
@@ -83,10 +84,12 @@ class AsyncEngine:
     # -- the engine thread ----------------------------------------------------------------------
 
     def _loop(self) -> None:
+        self.engine.driver = threading.get_ident()  # other threads may no longer change it
         try:
             self._serve()
         finally:  # the aborts shutdown() queued last reach their requests
             self._drain(block=False)
+            self.engine.driver = None
 
     def _serve(self) -> None:
         engine = self.engine

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -233,6 +234,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv, max_tokens_per_step, lookahead)
         self._ids = itertools.count()
         self._deltas: dict[str, list[str]] = {}  # request id -> text not yet taken by stream()
+        self.driver: int | None = None  # the thread that alone may change the batch, if set
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.counters["spec_accepted_per_depth"] = []
         eos = self.config.eos_token_id
@@ -275,6 +277,7 @@ class Engine:
         return seq
 
     def add_sequence(self, seq: Seq) -> None:
+        self._check_thread()
         if self.scheduler.find(seq.request_id) is not None:
             raise ValueError(f"request id {seq.request_id!r} is already running")
         self.scheduler.add(seq)
@@ -282,6 +285,7 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV; False if it is not queued or running."""
+        self._check_thread()
         seq = self.scheduler.find(request_id)
         if seq is None:
             return False
@@ -290,6 +294,13 @@ class Engine:
         self._deltas.pop(request_id, None)
         return True
 
+    def _check_thread(self) -> None:
+        """The batch is one thread's: an AsyncEngine's, while one runs this engine (a request
+        added or a step taken beside it would corrupt the requests it holds)."""
+        if self.driver is not None and threading.get_ident() != self.driver:
+            raise RuntimeError("an AsyncEngine runs this engine on its own thread: send "
+                               "requests through it (AsyncEngine.generate), not to the Engine")  # fmt: skip
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -297,6 +308,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One iteration: decode every running request (speculatively when an SSM is set),
         prefill the next prompt chunks, finish what is done. Returns what each request gained."""
+        self._check_thread()
         if self.dsi is not None:
             return self.dsi.step(self)
         plan = self.scheduler.schedule()
@@ -456,6 +468,7 @@ class Engine:
     def release(self) -> None:
         """Free the KV caches and recorded graphs; the next request allocates and records
         again. Refused while requests are queued or running."""
+        self._check_thread()
         if self.has_unfinished():
             raise RuntimeError("cannot release while requests run (an unfinished stream()?)")
         self.kv.release()  # and the runner's cache and graphs
