@@ -114,6 +114,7 @@ def test_cli_streams_a_completion(smollm_gguf, capsys):
         (["--temperature", "0", "--repetition-penalty", "1.2"], {"repetition_penalty": 1.2}),
         (["--presence-penalty", "0.5", "--frequency-penalty", "0.25", "--top-k", "40"],
          {"presence_penalty": 0.5, "frequency_penalty": 0.25, "top_k": 40}),
+        (["--min-p", "0.05"], {"min_p": 0.05, "top_p": 0.9}),
         (["--json-schema", "object"], {"json_schema": {"type": "object"}}),
         (["--json-schema", '{"type": "array"}'], {"json_schema": '{"type": "array"}'}),
         (["--regex", "[0-9]+"], {"regex": "[0-9]+", "json_schema": None}),

@@ -15,6 +15,8 @@ from specinfer.sampling import SamplingParams, make_generator, next_token, proba
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -3}, "top_k"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.5}, "min_p"),
         ({"seed": "x"}, "seed"),
         ({"stop": [""]}, "stop"),
         ({"logprobs": -1}, "logprobs"),
@@ -52,6 +54,18 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert torch.allclose(p, torch.tensor([0.625, 0.375, 0.0, 0.0]))
     p = probabilities(probs.log(), 1.0, top_p=0.1)  # the top token always stays
     assert torch.allclose(p, torch.tensor([1.0, 0.0, 0.0, 0.0]))
+
+
+def test_min_p_keeps_the_tokens_near_the_most_likely():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.4, 0.25, 0.25]])
+    p = probabilities(probs.log(), 1.0, min_p=0.5)  # at least 0.25 / 0.2
+    kept = torch.tensor([[0.5, 0.3, 0.0, 0.0], [0.0, 0.4, 0.25, 0.25]])
+    assert torch.allclose(p, kept / kept.sum(-1, keepdim=True))
+    only_top = probabilities(probs.log(), 1.0, min_p=1.0)
+    assert torch.allclose(only_top, torch.tensor([[1.0, 0, 0, 0], [0, 1.0, 0, 0]]))
+    # After top-k, relative to the most likely token: what top-k left, renormalised, decides.
+    both = probabilities(probs.log(), 1.0, top_k=3, min_p=0.55)  # 0.25 / 0.4 > 0.55; 0.15 / 0.5 not
+    assert torch.allclose(both, kept / kept.sum(-1, keepdim=True))
 
 
 @pytest.mark.parametrize("scale", [0.3, 2.0, 8.0], ids=["flat", "peaked", "sharp"])

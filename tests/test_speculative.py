@@ -525,13 +525,14 @@ SAMPLES = 20_000
 PARAMS = {"temperature": 1.0}
 
 
-def _filtered(dist: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+def _filtered(dist: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
     """dist cut to its top_k tokens, then to the most likely of those until they hold top_p of
-    their mass, renormalised; written token by token, independently of sampling.probabilities."""
+    their mass, then to those at least min_p times as likely as the first, renormalised; written
+    token by token, independently of sampling.probabilities."""
     ranked = sorted(range(len(dist)), key=lambda t: -dist[t].item())[: top_k or None]
     total, mass, kept = sum(dist[t].item() for t in ranked), 0.0, torch.zeros_like(dist)
     for t in ranked:
-        if mass >= top_p * total:
+        if mass >= top_p * total or dist[t].item() < min_p * dist[ranked[0]].item():
             break
         kept[t], mass = dist[t], mass + dist[t].item()
     return kept / kept.sum()
@@ -547,7 +548,8 @@ def _last_logits(model, ids: list[int]) -> torch.Tensor:
 
 
 def _exact_joint(engine: Engine, n: int = 3, temperature: float = 1.0, top_k: int = 0,
-                 top_p: float = 1.0, prompt: list[int] = PROMPT) -> dict[tuple, float]:  # fmt: skip
+                 top_p: float = 1.0, min_p: float = 0.0,
+                 prompt: list[int] = PROMPT) -> dict[tuple, float]:  # fmt: skip
     """P(first n tokens) under incremental sampling, from the target's own logits."""
     model = engine.model
     probs: dict[tuple, float] = {(): 1.0}
@@ -555,7 +557,7 @@ def _exact_joint(engine: Engine, n: int = 3, temperature: float = 1.0, top_k: in
         nxt = {}
         for prefix, p in probs.items():
             logits = _last_logits(model, prompt + list(prefix)).double()
-            dist = _filtered(torch.softmax(logits / temperature, -1), top_k, top_p)
+            dist = _filtered(torch.softmax(logits / temperature, -1), top_k, top_p, min_p)
             for t in range(VOCAB):
                 nxt[prefix + (t,)] = p * dist[t].item()
         probs = nxt
@@ -643,6 +645,7 @@ FILTERS = {
     "temperature 0.7": {"temperature": 0.7},
     "top_k 3": {"temperature": 1.0, "top_k": 3},
     "top_p 0.8": {"temperature": 1.0, "top_p": 0.8},
+    "min_p 0.3": {"temperature": 1.0, "min_p": 0.3},
 }
 
 
@@ -667,9 +670,9 @@ FILTERED_CASES = [("incremental", None, f) for f in FILTERS] + [
 def test_filtered_sampling_matches_incremental_distribution(
     tiny_pair, exact_filtered, name, tree, filters
 ):
-    """Temperature, top-k and top-p under speculation: the target's filtered distribution (what
-    incremental sampling draws from, computed here on its own), where top-k / top-p leave tokens
-    of probability 0 that must never appear, proposed by the SSM or not."""
+    """Temperature, top-k, top-p and min-p under speculation: the target's filtered distribution
+    (what incremental sampling draws from, computed here on its own), where the filters leave
+    tokens of probability 0 that must never appear, proposed by the SSM or not."""
     engine = (
         Engine(tiny_pair[0], dtype="float32", max_batch_size=512)
         if tree is None
@@ -685,13 +688,14 @@ def test_filtered_sampling_matches_incremental_distribution(
 
 
 def test_filtered_exact_joints_differ(exact, exact_filtered):
-    """The filters matter on this model: top-k and top-p leave out most sequences, and a lower
-    temperature moves the distribution (so a test that ignored them would fail)."""
+    """The filters matter on this model: top-k, top-p and min-p leave out most sequences, and a
+    lower temperature moves the distribution (so a test that ignored them would fail)."""
     for name, joint in exact_filtered.items():
         assert sum(joint.values()) == pytest.approx(1.0)
         assert max(abs(joint[k] - exact[k]) for k in exact) > 0.02, name
     assert sum(p == 0 for p in exact_filtered["top_k 3"].values()) == VOCAB**3 - 3**3
     assert sum(p == 0 for p in exact_filtered["top_p 0.8"].values()) > VOCAB**3 / 2
+    assert sum(p == 0 for p in exact_filtered["min_p 0.3"].values()) > VOCAB**3 / 2
 
 
 def _wrong_ratio_on_topk(self, tree, nodes, logits, width, params, generator, paths):

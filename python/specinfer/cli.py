@@ -61,6 +61,9 @@ def _add_generation_args(gen) -> None:
     )
     gen.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
     gen.add_argument("--top-p", type=float, default=0.9, help="default 0.9; 1 = off")
+    gen.add_argument("--min-p", type=float, default=0.0,
+                     help="leave out tokens less likely than this times the most likely one "
+                     "(default 0 = off)")  # fmt: skip
     gen.add_argument(
         "--frequency-penalty",
         type=float,
@@ -184,6 +187,7 @@ def _generate(args) -> int:
             temperature=args.temperature,
             top_k=args.top_k,
             top_p=args.top_p,
+            min_p=args.min_p,
             seed=args.seed,
             repetition_penalty=args.repetition_penalty,
             presence_penalty=args.presence_penalty,

@@ -22,7 +22,8 @@ STRUCTURED = ("json_schema", "regex", "choice", "grammar")  # structured output:
 class SamplingParams:
     """How to decode one request.
 
-    temperature 0 means greedy (argmax). top_k 0 and top_p 1 disable those filters.
+    temperature 0 means greedy (argmax). top_k 0, top_p 1 and min_p 0 disable those filters
+    (min_p: tokens less likely than min_p times the most likely one are left out).
     A stop string ends the output just before it; EOS ends it unless ignore_eos.
     Penalties (applied to the logits before temperature, greedy decoding included):
     repetition_penalty (HF's definition; 1 = off) divides a positive logit and multiplies a
@@ -44,6 +45,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
@@ -71,6 +73,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -147,11 +151,11 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def probabilities(
-    logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
-) -> torch.Tensor:
+def probabilities(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                  min_p: float = 0.0) -> torch.Tensor:  # fmt: skip
     """The distribution a sampler with these parameters draws from: softmax(logits / T), cut to the
-    top-k tokens and to the smallest set whose mass reaches top_p, renormalised. logits [..., V]."""
+    top-k tokens, to the smallest set whose mass reaches top_p, and to the tokens at least min_p
+    times as likely as the most likely one, renormalised. logits [..., V]."""
     if temperature <= 0.0:
         raise ValueError("probabilities() needs temperature > 0; greedy decoding uses argmax")
     logits = logits.float() / temperature
@@ -174,6 +178,9 @@ def probabilities(
             k = min(V, 8 * k)
         top = top.masked_fill(mass - top >= top_p, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, top / top.sum(-1, keepdim=True))
+    if min_p > 0.0:
+        probs = probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
     return probs
 
 
@@ -337,5 +344,5 @@ def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     """Draw one token from logits [V] under params."""
     if params.greedy:
         return int(greedy_tokens(logits))
-    probs = probabilities(logits, params.temperature, params.top_k, params.top_p)
+    probs = probabilities(logits, params.temperature, params.top_k, params.top_p, params.min_p)
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -278,7 +278,7 @@ class Speculator:
                 if tree.propose(node, t, conf=p) == len(paths):
                     paths.append(path)
             return
-        q = probabilities(logits, params.temperature, params.top_k, params.top_p)
+        q = probabilities(logits, params.temperature, params.top_k, params.top_p, params.min_p)
         draws = self._vocab_ids(torch.multinomial(q, width, replacement=True, generator=generator))
         for node, q_node, row in zip(nodes, self._full_vocab(q), draws.tolist()):
             q_row = tree.add_distribution(q_node)

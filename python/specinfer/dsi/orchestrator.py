@@ -272,7 +272,7 @@ class Orchestrator:
                     tokens=[self.tree.tokens[n] for n in nodes],
                     parents=[index.get(self.tree.parents[n], -1) for n in nodes],
                     main=[i for i, n in enumerate(nodes) if n in main],
-                    sampling=None if p.greedy else (p.temperature, p.top_k, p.top_p))  # fmt: skip
+                    sampling=None if p.greedy else (p.temperature, p.top_k, p.top_p, p.min_p))  # fmt: skip
         assert all(self.tree.parents[n] in index or self.tree.parents[n] == hang for n in nodes)
         levels = len({self.tree.depths[n] for n in nodes})
         self.jobs[task.id] = _Job(task, self.round, hang, list(nodes), prefill=prefill,

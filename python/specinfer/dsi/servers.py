@@ -68,7 +68,7 @@ class Task:
     tokens: list[int] = field(default_factory=list)  # the block's nodes
     parents: list[int] = field(default_factory=list)  # -1: the context's last token
     main: list[int] = field(default_factory=list)  # block nodes of the main chain, in order
-    sampling: tuple[float, int, float] | None = None  # (temperature, top_k, top_p); None: greedy
+    sampling: tuple | None = None  # (temperature, top_k, top_p, min_p); None: greedy
 
 
 @dataclass
@@ -171,8 +171,7 @@ class _TraceTarget:
 def _rows(logits: torch.Tensor, sampling) -> object:
     if sampling is None:
         return greedy_tokens(logits).tolist()
-    temperature, top_k, top_p = sampling
-    return probabilities(logits, temperature, top_k, top_p).numpy()
+    return probabilities(logits, *sampling).numpy()
 
 
 def _serve(index: int, conn, cancel: torch.Tensor, spec: ServerSpec) -> None:

@@ -173,7 +173,8 @@ def verify_tree(seq: Sequence, tree: TokenTree, logits: torch.Tensor, verifier: 
     if seq.params.greedy:
         argmax = greedy_tokens(logits) if argmax is None else argmax
         return verify.verify_greedy(tree.parents, tree.tokens, argmax)
-    p = probabilities(logits, seq.params.temperature, seq.params.top_k, seq.params.top_p)
+    params = seq.params
+    p = probabilities(logits, params.temperature, params.top_k, params.top_p, params.min_p)
     seed = draw_seed(seq.generator)
     if verifier == "naive":
         return verify.verify_naive(tree.parents, tree.tokens, p, seed)

@@ -22,7 +22,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 # Set to anything but these, an unimplemented feature is an error rather than silently ignored.
 _UNSUPPORTED = ("suffix", "tools", "functions", "best_of")
-_PARAM_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop",
+_PARAM_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop",
                  "repetition_penalty", "presence_penalty", "frequency_penalty")  # fmt: skip
 
 
@@ -44,6 +44,7 @@ class _Request(BaseModel):
     temperature: StrictFloat | None = None  # OpenAI's default: 1
     top_p: StrictFloat | None = None
     top_k: StrictInt | None = None  # extension (vLLM's): 0 or -1 = off
+    min_p: StrictFloat | None = None  # extension (vLLM's): 0 = off
     seed: StrictInt | None = None
     stop: str | list[str] | None = None
     presence_penalty: StrictFloat | None = None
@@ -154,6 +155,7 @@ class _Request(BaseModel):
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_k=0 if top_k == -1 else top_k,
                 top_p=1.0 if self.top_p is None else self.top_p,
+                min_p=self.min_p or 0.0,
                 seed=None if self.seed is None else self.seed + choice,
                 stop=stop,
                 ignore_eos=self.ignore_eos,

@@ -112,6 +112,11 @@ class Answer:
         self.message_id = f"msg_{uuid.uuid4().hex}"
         self.logprobs = self.choice.params.logprobs is not None
 
+    @property
+    def status(self) -> str:
+        """The finished answer's: "completed" if it ended, "incomplete" if it was cut."""
+        return "completed" if self.choice.finish_reason == "stop" else "incomplete"
+
     def response(self, status: str, output: list[dict], usage: dict | None = None) -> dict:
         body, c = self.body, self.choice
         incomplete = {"reason": "max_output_tokens"} if c.finish_reason == "length" else None
@@ -138,8 +143,7 @@ class Answer:
         content, calls = self.tools.parse(c.text, c.finish_reason) if self.tools else (c.text, [])
         items = []
         if content is not None or not calls:
-            status = "completed" if c.finish_reason == "stop" else "incomplete"
-            items.append(self._message(content or "", status, c.logprobs))
+            items.append(self._message(content or "", self.status, c.logprobs))
         for call in calls:
             items.append({"type": "function_call", "id": f"fc_{call['id'].removeprefix('call_')}",
                           "call_id": call["id"], "name": call["function"]["name"],
@@ -150,10 +154,9 @@ class Answer:
     def finish(self) -> dict:
         """The finished response (stored if asked)."""
         items, turn = self.output()
-        status = "completed" if self.choice.finish_reason == "stop" else "incomplete"
         usage = self.job.usage()
         cached = usage["prompt_tokens_details"]["cached_tokens"]
-        response = self.response(status, items, {
+        response = self.response(self.status, items, {
             "input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
             "output_tokens": usage["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": usage["total_tokens"],
