@@ -64,9 +64,11 @@ class WholeAnswer:
     """A format where the whole answer is the calls: JSON objects between `open` and `close`,
     separated by `sep`, perhaps after a `tag` (a special token, shown or not in the text)."""
 
-    def __init__(self, name: str, key: str, tag: str, open: str, close: str, sep: str):
+    def __init__(self, name: str, key: str, tag: str, open: str, close: str, sep: str,
+                 short_ids: bool = False):  # fmt: skip
         self.name, self.key, self.tag = name, key, tag
         self.open, self.close, self.sep = open, close, sep
+        self.short_ids = short_ids  # call ids of 9 letters and digits (its template checks)
 
     def calls(self, text: str) -> tuple[str, list] | None:
         body = text.strip().removeprefix(self.tag).strip()
@@ -104,14 +106,14 @@ class WholeAnswer:
                 f"call: %json {json.dumps(call)}\n")  # fmt: skip
 
     def call_id(self) -> str:
-        if self.name == "mistral":  # its template refuses other ids
+        if self.short_ids:
             return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
         return f"call_{uuid.uuid4().hex[:24]}"
 
 
 HERMES = Hermes()
 LLAMA3_JSON = WholeAnswer("llama3_json", "parameters", "<|python_tag|>", "", "", ";")
-MISTRAL = WholeAnswer("mistral", "arguments", "[TOOL_CALLS]", "[", "]", ",")
+MISTRAL = WholeAnswer("mistral", "arguments", "[TOOL_CALLS]", "[", "]", ",", short_ids=True)
 
 
 def template_format(template: str):

@@ -1,5 +1,5 @@
-"""Tool (function) calling on /v1/chat/completions: OpenAI's `tools`, `tool_choice` and
-`parallel_tool_calls`.
+"""Tool (function) calling on /v1/chat/completions (and /v1/responses, read as a chat request):
+OpenAI's `tools`, `tool_choice` and `parallel_tool_calls`.
 
 Where the model's chat template describes tools itself (it reads `tools`, as HF's tool-aware
 templates do), it is given them, and the earlier turns' calls and tool answers as structured
