@@ -43,6 +43,26 @@ def test_stop_string_truncates_and_finishes(engine):
     assert out.text == base.text[: base.text.index("6")]
 
 
+def test_stop_token_ids_end_a_request_as_eos_does(engine, smollm_gguf):
+    """A stop token id ends the output at its first occurrence: kept in token_ids, not in the
+    text; the same under speculation (a tree may accept tokens past it, which are dropped)."""
+    prompt, plain = "1, 2, 3, 4,", SamplingParams(max_tokens=20, ignore_eos=True)
+    base = engine.generate(prompt, plain)[0]
+    stop = base.token_ids[6]
+    first = base.token_ids.index(stop)
+    params = SamplingParams(
+        max_tokens=20, ignore_eos=True, stop_token_ids=[stop, engine.config.vocab_size - 1]
+    )
+    spec = Engine(smollm_gguf, dtype="float32", ssm=["default", "ngram"], max_batch_size=1)
+    for e in (engine, spec):
+        out = e.generate(prompt, params)[0]
+        assert out.token_ids == base.token_ids[: first + 1] and out.finish_reason == "stop"
+        assert out.text == engine.tokenizer.decode(base.token_ids[:first])
+    assert spec.generate(prompt, plain)[0].metrics["tokens_per_step"] > 1  # it speculated
+    with pytest.raises(ValueError, match=r"stop_token_ids: token ids outside the vocabulary"):
+        engine.generate(prompt, SamplingParams(stop_token_ids=[10**9]))
+
+
 def test_seeded_sampling_is_reproducible_and_differs_across_seeds(engine):
     def run(seed):
         p = SamplingParams(max_tokens=16, temperature=1.0, seed=seed, ignore_eos=True)

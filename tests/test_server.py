@@ -198,6 +198,14 @@ def test_stop_strings(served):
         model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stop="."
     )
     assert r.choices[0].text == ref.text and "." not in r.choices[0].text
+    # stop_token_ids (vLLM's): the first of them generated ends the completion, left out of it.
+    ids = served.refs["completion"].token_ids
+    k = ids.index(ids[4])
+    r = served.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                         extra_body={"stop_token_ids": [ids[4]]})  # fmt: skip
+    tokenizer = served.engine.tokenizer
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (tokenizer.decode(ids[:k]), "stop")
+    assert r.usage.completion_tokens == k + 1
 
 
 def test_n_choices_and_seeds(served):
@@ -545,6 +553,10 @@ BAD = [  # (endpoint, body (dict, or raw text), status, text the message holds, 
     ("completions", {**_OK, "max_tokens": 1.5}, 400, "valid integer", "max_tokens"),
     ("completions", {**_OK, "temperature": "hot"}, 400, "valid number", "temperature"),
     ("completions", {**_OK, "min_p": 1.5}, 400, "min_p must be in [0, 1]", "min_p"),
+    ("completions", {**_OK, "stop_token_ids": [10**9]}, 400, "outside the vocabulary",
+     "stop_token_ids"),
+    ("chat/completions", {**_OK_CHAT, "stop_token_ids": [-2]}, 400, "stop_token_ids must be",
+     "stop_token_ids"),
     ("completions", {**_OK, "prompt": 5}, 400, "prompt must be", "prompt"),
     ("completions", {**_OK, "max_tokens": 0}, 400, "max_tokens must be at least 1, got 0", "max_tokens"),
     ("completions", {**_OK, "max_tokens": -3}, 400, "max_tokens must be at least 1, got -3", "max_tokens"),

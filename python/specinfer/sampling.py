@@ -24,7 +24,8 @@ class SamplingParams:
 
     temperature 0 means greedy (argmax). top_k 0, top_p 1 and min_p 0 disable those filters
     (min_p: tokens less likely than min_p times the most likely one are left out).
-    A stop string ends the output just before it; EOS ends it unless ignore_eos.
+    A stop string ends the output just before it; EOS ends it unless ignore_eos, and so does any
+    of stop_token_ids (kept in token_ids, not in the text, as EOS).
     Penalties (applied to the logits before temperature, greedy decoding included):
     repetition_penalty (HF's definition; 1 = off) divides a positive logit and multiplies a
     negative one of every token seen in the prompt or the output; presence_penalty and
@@ -48,6 +49,7 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
@@ -79,6 +81,11 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise ValueError("stop_token_ids must be a list of token ids (integers >= 0), got "
+                             f"{self.stop_token_ids!r}")  # fmt: skip
         if not 0.0 < self.repetition_penalty < float("inf"):
             raise ValueError(
                 f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty}"
@@ -234,8 +241,8 @@ class Penalties:
         if self.penalizes:
             self.prompt_tokens = torch.tensor(prompt_ids, dtype=torch.long).unique()
         self.bias_ids = self.bias_by_token = None
+        check_token_ids(params, vocab_size)
         if params.logit_bias:
-            check_logit_bias(params.logit_bias, vocab_size)
             self.bias_ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
             self.bias_by_token = torch.zeros(vocab_size, dtype=torch.float32)
             self.bias_by_token[self.bias_ids] = torch.tensor(list(params.logit_bias.values()))
@@ -312,12 +319,15 @@ class Penalties:
         return self._add_bias(out, vocab_ids)
 
 
-def check_logit_bias(bias: dict[int, float], vocab_size: int) -> None:
-    """ValueError naming the biased token ids a vocabulary of vocab_size lacks."""
-    outside = [t for t in bias if t >= vocab_size]
-    if outside:
-        raise ValueError(f"logit_bias: token ids outside the vocabulary of {vocab_size}: "
-                         f"{outside[:5]}")  # fmt: skip
+def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """ValueError naming the token ids (logit_bias's, stop_token_ids) a vocabulary of vocab_size
+    lacks."""
+    for name, ids in (("logit_bias", params.logit_bias or {}),
+                      ("stop_token_ids", params.stop_token_ids)):  # fmt: skip
+        outside = [t for t in ids if t >= vocab_size]
+        if outside:
+            raise ValueError(f"{name}: token ids outside the vocabulary of {vocab_size}: "
+                             f"{outside[:5]}")  # fmt: skip
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:

@@ -26,7 +26,7 @@ def append_tokens(seq: Sequence, tokens: list[int], eos_ids: set[int],
         added.append(token)
         if seq.logprobs is not None:
             seq.logprobs.append(logprobs[i])
-        is_eos = token in eos_ids and not seq.params.ignore_eos
+        is_eos = (token in eos_ids and not seq.params.ignore_eos) or token in seq.stop_token_ids
         if not is_eos:
             delta += seq.stream.add(token)
         if seq.stream.stopped or is_eos or (seq.grammar is not None and seq.grammar.stopped):

@@ -60,7 +60,8 @@ class Sequence:
         self.max_len = max_len  # prompt + generated tokens allowed
         # On the device the logits live on: torch draws with a generator of the tensor's device.
         self.generator = make_generator(params.seed, device)
-        self.penalties = Penalties(params, prompt_ids, vocab_size)
+        self.penalties = Penalties(params, prompt_ids, vocab_size)  # checks its token ids too
+        self.stop_token_ids = frozenset(params.stop_token_ids)  # end it as EOS does
         self.grammar = None  # a structured.Grammar, set by the engine when params ask for one
         self.status = Status.WAITING
         self.row = -1  # its row in the SSMs' caches

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
-from specinfer.sampling import SamplingParams, check_logit_bias
+from specinfer.sampling import SamplingParams, check_token_ids
 from specinfer.server.errors import APIError, error_body, logger
 from specinfer.server.protocol import _Request
 from specinfer.server.sse import DONE, event
@@ -74,10 +74,6 @@ def prepare(state, body: _Request, prompts: list, param: str, id_prefix: str,
     score_only = getattr(body, "echo", False) and requested == 0
     if score_only:
         requested = 1
-    try:  # here, not when the engine takes the request: a stream has not started yet
-        check_logit_bias(body.token_bias() or {}, engine.config.vocab_size)
-    except ValueError as e:
-        raise APIError(400, str(e), "logit_bias") from e
     try:  # a schema, regex or grammar the engine cannot compile, once for all choices
         engine.grammars.compile(SamplingParams(**body.structured()))
     except ValueError as e:
@@ -94,6 +90,10 @@ def prepare(state, body: _Request, prompts: list, param: str, id_prefix: str,
         else:
             max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
         params = [body.sampling_params(max_tokens, i) for i in range(body.n)]
+        try:  # here, not when the engine takes the request: a stream has not started yet
+            check_token_ids(params[0], engine.config.vocab_size)
+        except ValueError as e:  # "logit_bias: ..." or "stop_token_ids: ..."
+            raise APIError(400, str(e), str(e).split(":")[0]) from e
         if len(ids) + max_tokens > context:
             raise APIError(
                 400,

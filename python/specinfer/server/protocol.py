@@ -47,6 +47,7 @@ class _Request(BaseModel):
     min_p: StrictFloat | None = None  # extension (vLLM's): 0 = off
     seed: StrictInt | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[StrictInt] | None = None  # extension (vLLM's)
     presence_penalty: StrictFloat | None = None
     frequency_penalty: StrictFloat | None = None
     repetition_penalty: StrictFloat | None = None  # extension (HF's definition)
@@ -158,6 +159,7 @@ class _Request(BaseModel):
                 min_p=self.min_p or 0.0,
                 seed=None if self.seed is None else self.seed + choice,
                 stop=stop,
+                stop_token_ids=self.stop_token_ids or [],
                 ignore_eos=self.ignore_eos,
                 repetition_penalty=(
                     1.0 if self.repetition_penalty is None else self.repetition_penalty
@@ -177,6 +179,8 @@ class _Request(BaseModel):
                 message = param + message[len("max_tokens") :]
             if message.startswith("stop strings"):
                 param = "stop"
+            if message.startswith("stop_token_ids"):
+                param = "stop_token_ids"
             if message.startswith("logit_bias"):
                 param = "logit_bias"
             if message.split(" ", 1)[0] in STRUCTURED or message.startswith("give at most one"):
