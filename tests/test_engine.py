@@ -63,6 +63,23 @@ def test_stop_token_ids_end_a_request_as_eos_does(engine, smollm_gguf):
         engine.generate(prompt, SamplingParams(stop_token_ids=[10**9]))
 
 
+def test_min_tokens_hold_back_eos_and_stop_ids(engine, smollm_gguf):
+    """min_tokens: EOS (and stop token ids) cannot come before the output holds that many
+    tokens; greedy speculative output equals incremental with it."""
+    chat = [{"role": "user", "content": "Say hello."}]
+    short = engine.chat(chat, SamplingParams(max_tokens=100))
+    assert short.finish_reason == "stop" and short.token_ids[-1] in engine.eos_ids
+    params = SamplingParams(max_tokens=100, min_tokens=len(short.token_ids) + 3)
+    out = engine.chat(chat, params)
+    assert len(out.token_ids) >= params.min_tokens
+    assert not set(out.token_ids[: params.min_tokens]) & engine.eos_ids
+    assert out.token_ids[: len(short.token_ids) - 1] == short.token_ids[:-1]  # then not EOS
+    spec = Engine(smollm_gguf, dtype="float32", ssm=["default", "ngram"], max_batch_size=1)
+    assert spec.chat(chat, params).token_ids == out.token_ids
+    with pytest.raises(ValueError, match="min_tokens must be an integer in"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+
+
 def test_seeded_sampling_is_reproducible_and_differs_across_seeds(engine):
     def run(seed):
         p = SamplingParams(max_tokens=16, temperature=1.0, seed=seed, ignore_eos=True)

@@ -350,6 +350,37 @@ def test_sampling_with_a_logit_bias_matches_incremental(tiny_pair):  # noqa: F81
     assert p < 1e-6, "the bias made no difference the test can see"
 
 
+@pytest.mark.parametrize("tree", [TreeConfig((3, 2), sample_children=True), TreeConfig((2, 2))],
+                         ids=["sampled children", "top-k children"])  # fmt: skip
+def test_sampling_with_min_tokens_matches_incremental(tiny_pair, tree):  # noqa: F811
+    """min_tokens 2 with a stop token id: masked in the first two positions only (each tree node
+    by its own depth), chi-squared against the joint computed here from the raw logits."""
+    target, other = tiny_pair
+    model = Engine(target, dtype="float32").model
+    stop = int(_last_logits(model, PROMPT).argmax())  # the likeliest first token
+    probs: dict[tuple, float] = {(): 1.0}
+    for depth in range(3):
+        nxt = {}
+        for prefix, p in probs.items():
+            logits = _last_logits(model, PROMPT + list(prefix))
+            if depth < 2:
+                logits[stop] = float("-inf")
+            dist = torch.softmax(logits / TEMPERATURE, -1)
+            for t in range(VOCAB):
+                nxt[prefix + (t,)] = p * dist[t].item()
+        probs = nxt
+    engine = Engine(target, dtype="float32", max_batch_size=512, ssm=other, tree=tree)
+    params = [SamplingParams(max_tokens=3, seed=s, ignore_eos=True, temperature=TEMPERATURE,
+                             min_tokens=2, stop_token_ids=[stop]) for s in range(SAMPLES)]  # fmt: skip
+    counts: dict[tuple, int] = {}
+    for o in engine.generate([PROMPT] * SAMPLES, params):
+        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    assert not any(stop in key[:2] for key in counts), "the stop token came before min_tokens"
+    stat, p = _chi_squared_p(counts, probs, SAMPLES)
+    print(f"\nmin_tokens, {tree}: chi2 = {stat:.1f}, p = {p:.3f}")
+    assert p > 0.01, f"chi2 = {stat:.1f}, p = {p:.2e}"
+
+
 def test_the_test_detects_an_unpenalised_proposal_distribution(tiny_pair, exact_penalised,  # noqa: F811
                                                                monkeypatch):  # fmt: skip
     """Children drawn from the penalised SSM distribution but verified against the unpenalised

@@ -25,7 +25,9 @@ class SamplingParams:
     temperature 0 means greedy (argmax). top_k 0, top_p 1 and min_p 0 disable those filters
     (min_p: tokens less likely than min_p times the most likely one are left out).
     A stop string ends the output just before it; EOS ends it unless ignore_eos, and so does any
-    of stop_token_ids (kept in token_ids, not in the text, as EOS).
+    of stop_token_ids (kept in token_ids, not in the text, as EOS). min_tokens: EOS (unless
+    ignore_eos) and stop_token_ids cannot be generated before the output holds this many tokens
+    (their logits are masked, in verification too).
     Penalties (applied to the logits before temperature, greedy decoding included):
     repetition_penalty (HF's definition; 1 = off) divides a positive logit and multiplies a
     negative one of every token seen in the prompt or the output; presence_penalty and
@@ -50,6 +52,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    min_tokens: int = 0
     ignore_eos: bool = False
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
@@ -86,6 +89,13 @@ class SamplingParams:
         ):
             raise ValueError("stop_token_ids must be a list of token ids (integers >= 0), got "
                              f"{self.stop_token_ids!r}")  # fmt: skip
+        if (
+            not isinstance(self.min_tokens, int)
+            or isinstance(self.min_tokens, bool)
+            or not (0 <= self.min_tokens <= self.max_tokens)
+        ):
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")  # fmt: skip
         if not 0.0 < self.repetition_penalty < float("inf"):
             raise ValueError(
                 f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty}"
@@ -102,6 +112,8 @@ class SamplingParams:
                 raise ValueError("logit_bias must map token ids (integers >= 0) to biases in "
                                  f"[-100, 100], got {self.logit_bias!r}")  # fmt: skip
         self._check_structured()
+        if self.min_tokens and self.structured_fields:  # a complete output allows EOS alone
+            raise ValueError("min_tokens cannot be combined with structured output")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (
@@ -150,8 +162,8 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether the logits change before sampling: a penalty or a logit bias."""
-        return self.penalized or bool(self.logit_bias)
+        """Whether the logits change before sampling: a penalty, a logit bias or min_tokens."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
 
     @property
     def greedy(self) -> bool:
@@ -233,7 +245,8 @@ class Penalties:
     which is exactly what incremental decoding would have seen at that point, so greedy
     verification and speculative sampling stay exact."""
 
-    def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int):
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int,
+                 eos_ids: frozenset[int] = frozenset()):  # fmt: skip
         self.params, self.vocab_size = params, vocab_size
         self.active = params.adjusts_logits  # callers skip building branches when False
         self.penalizes = params.penalized  # the bias alone needs no tokens
@@ -246,6 +259,10 @@ class Penalties:
             self.bias_ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
             self.bias_by_token = torch.zeros(vocab_size, dtype=torch.float32)
             self.bias_by_token[self.bias_ids] = torch.tensor(list(params.logit_bias.values()))
+        # Tokens that would end the output, masked while it is shorter than min_tokens (EOS is
+        # one unless ignore_eos).
+        ending = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+        self.stop_ids = torch.tensor(sorted(ending), dtype=torch.long)
 
     def apply(
         self,
@@ -269,16 +286,25 @@ class Penalties:
                                   p.frequency_penalty)  # fmt: skip
         if out is None:
             return self.apply_reference(logits, output_ids, branches, vocab_ids)
-        return self._add_bias(out, vocab_ids)
+        return self._finish(out, output_ids, branches, vocab_ids)
 
-    def _add_bias(self, out: torch.Tensor, vocab_ids: torch.Tensor | None) -> torch.Tensor:
-        """out (float32, the caller's own) with the logit bias added to its biased columns."""
-        if self.bias_ids is None:
-            return out
-        ids, by_token = self.bias_ids.to(out.device), self.bias_by_token.to(out.device)
-        # A restricted head: the columns whose tokens are biased (tokens it lacks get none).
-        cols = ids if vocab_ids is None else torch.isin(vocab_ids, ids).nonzero()[:, 0]
-        out[:, cols] += by_token[cols if vocab_ids is None else vocab_ids[cols]]
+    def _finish(self, out: torch.Tensor, output_ids: list[int], branches: list[list[int]] | None,
+                vocab_ids: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        """out (float32, the caller's own) with the logit bias added to its biased columns, and
+        the tokens that end the output masked in the rows where it is shorter than min_tokens
+        (row i holds len(output_ids) + len(branches[i]) tokens)."""
+        if self.bias_ids is not None:
+            ids, by_token = self.bias_ids.to(out.device), self.bias_by_token.to(out.device)
+            # A restricted head: the columns whose tokens are biased (tokens it lacks get none).
+            cols = ids if vocab_ids is None else torch.isin(vocab_ids, ids).nonzero()[:, 0]
+            out[:, cols] += by_token[cols if vocab_ids is None else vocab_ids[cols]]
+        if len(output_ids) < self.params.min_tokens and len(self.stop_ids):
+            held = [len(output_ids) + len(b) for b in branches] if branches else [len(output_ids)]
+            rows = torch.tensor([i for i, n in enumerate(held) if n < self.params.min_tokens],
+                                dtype=torch.long, device=out.device)  # fmt: skip
+            stops = self.stop_ids.to(out.device)
+            cols = stops if vocab_ids is None else torch.isin(vocab_ids, stops).nonzero()[:, 0]
+            out[rows[:, None], cols[None, :]] = float("-inf")
         return out
 
     def apply_reference(self, logits, output_ids, branches=None, vocab_ids=None) -> torch.Tensor:
@@ -288,7 +314,9 @@ class Penalties:
         if not self.active:
             return logits
         if not self.penalizes:
-            return self._add_bias(logits.to(torch.float32, copy=True), vocab_ids)
+            return self._finish(
+                logits.to(torch.float32, copy=True), output_ids, branches, vocab_ids
+            )
         branches = branches or []
         output = torch.tensor(output_ids, dtype=torch.long)
         extra = torch.tensor([t for b in branches for t in b], dtype=torch.long)
@@ -316,7 +344,7 @@ class Penalties:
         if p.presence_penalty or p.frequency_penalty:
             x = x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
         out[:, cols] = x
-        return self._add_bias(out, vocab_ids)
+        return self._finish(out, output_ids, branches, vocab_ids)
 
 
 def check_token_ids(params: SamplingParams, vocab_size: int) -> None:

@@ -266,10 +266,10 @@ class Engine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         max_len = min(len(ids) + params.max_tokens, self.max_model_len)
         seq = Seq(request_id, ids, params, TextStream(self.tokenizer, params.stop), max_len,
-                  self.config.vocab_size, self.device)  # fmt: skip
+                  self.config.vocab_size, self.device, frozenset(self.eos_ids))  # fmt: skip
         if self.mode == "dsi" and seq.penalties.active:
             raise ValueError("mode 'dsi' does not support repetition, presence or frequency "
-                             "penalties or a logit bias")  # fmt: skip
+                             "penalties, a logit bias or min_tokens")  # fmt: skip
         if self.mode == "dsi" and (params.logprobs, params.prompt_logprobs) != (None, None):
             raise ValueError("mode 'dsi' does not support logprobs (its target servers verify "
                              "in other processes and send back tokens only)")  # fmt: skip

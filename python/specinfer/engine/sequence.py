@@ -54,13 +54,14 @@ class RequestOutput:
 
 class Sequence:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 stream: TextStream, max_len: int, vocab_size: int, device: torch.device):  # fmt: skip
+                 stream: TextStream, max_len: int, vocab_size: int, device: torch.device,
+                 eos_ids: frozenset[int] = frozenset()):  # fmt: skip
         self.request_id, self.prompt_ids, self.params, self.stream = (
             request_id, prompt_ids, params, stream)  # fmt: skip
         self.max_len = max_len  # prompt + generated tokens allowed
         # On the device the logits live on: torch draws with a generator of the tensor's device.
         self.generator = make_generator(params.seed, device)
-        self.penalties = Penalties(params, prompt_ids, vocab_size)  # checks its token ids too
+        self.penalties = Penalties(params, prompt_ids, vocab_size, eos_ids)  # checks token ids
         self.stop_token_ids = frozenset(params.stop_token_ids)  # end it as EOS does
         self.grammar = None  # a structured.Grammar, set by the engine when params ask for one
         self.status = Status.WAITING

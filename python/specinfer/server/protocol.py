@@ -22,8 +22,8 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 # Set to anything but these, an unimplemented feature is an error rather than silently ignored.
 _UNSUPPORTED = ("suffix", "tools", "functions", "best_of")
-_PARAM_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop",
-                 "repetition_penalty", "presence_penalty", "frequency_penalty")  # fmt: skip
+_PARAM_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
+                 "stop", "repetition_penalty", "presence_penalty", "frequency_penalty")  # fmt: skip
 
 
 class StreamOptions(BaseModel):
@@ -48,6 +48,7 @@ class _Request(BaseModel):
     seed: StrictInt | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] | None = None  # extension (vLLM's)
+    min_tokens: StrictInt | None = None  # extension (vLLM's): EOS and stop ids masked until then
     presence_penalty: StrictFloat | None = None
     frequency_penalty: StrictFloat | None = None
     repetition_penalty: StrictFloat | None = None  # extension (HF's definition)
@@ -160,6 +161,7 @@ class _Request(BaseModel):
                 seed=None if self.seed is None else self.seed + choice,
                 stop=stop,
                 stop_token_ids=self.stop_token_ids or [],
+                min_tokens=self.min_tokens or 0,
                 ignore_eos=self.ignore_eos,
                 repetition_penalty=(
                     1.0 if self.repetition_penalty is None else self.repetition_penalty

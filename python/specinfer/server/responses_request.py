@@ -23,7 +23,7 @@ from specinfer.server.protocol import ChatCompletionRequest
 
 LOGPROBS = "message.output_text.logprobs"
 # Fields of a chat request a Responses request may set too (not OpenAI's; vLLM takes them).
-EXTENSIONS = ("seed", "top_k", "min_p", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty",
+EXTENSIONS = ("seed", "top_k", "min_p", "stop", "stop_token_ids", "min_tokens", "presence_penalty", "frequency_penalty",
               "repetition_penalty", "logit_bias", "ignore_eos", "structured_outputs")  # fmt: skip
 # The chat request's names for what a Responses request calls otherwise (for error messages).
 _RENAMED = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format",
