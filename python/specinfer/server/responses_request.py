@@ -133,7 +133,8 @@ def renamed(error: APIError) -> APIError:
     """A chat request's error in the Responses API's names."""
     message, param = error.message, error.param
     for chat_name, name in _RENAMED.items():
-        message = message.replace(chat_name, name)
+        if chat_name != "messages":  # a word prose uses too ("refused these messages")
+            message = message.replace(chat_name, name)
         param = name if param == chat_name else param
     return APIError(error.status, message, param, error.code)
 
