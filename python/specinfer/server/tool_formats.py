@@ -57,7 +57,7 @@ class Hermes:
                 f"body: %json {json.dumps(call)}\n")  # fmt: skip
 
     def call_id(self) -> str:
-        return f"call_{uuid.uuid4().hex[:24]}"
+        return _openai_call_id()
 
 
 class WholeAnswer:
@@ -108,7 +108,11 @@ class WholeAnswer:
     def call_id(self) -> str:
         if self.short_ids:
             return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
-        return f"call_{uuid.uuid4().hex[:24]}"
+        return _openai_call_id()
+
+
+def _openai_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 HERMES = Hermes()
