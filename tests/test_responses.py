@@ -215,6 +215,33 @@ def test_json_schema_text_format(served):
     assert isinstance(final.output_parsed, Person) and final.output_text == deltas
 
 
+def test_truncation_auto_drops_the_oldest_turns(served):
+    """A conversation longer than the context: refused as it is ("disabled", the default); with
+    "auto" answered as the chat route answers its latest turns that fit (whole turns, from a
+    user message, the instructions kept)."""
+    filler = "The quick brown fox jumps over the lazy dog. " * 16
+    turns = []
+    for i in range(8):
+        turns += [{"role": "user", "content": f"Story {i}: {filler}"},
+                  {"role": "assistant", "content": f"Noted story {i}."}]  # fmt: skip
+    turns.append({"role": "user", "content": QUESTION})
+    kw = {"model": MODEL, "input": turns, "instructions": "Be brief.", **GREEDY}
+    with pytest.raises(openai.BadRequestError, match="max_model_len=1024"):
+        served.client.responses.create(**kw)
+    r = served.client.responses.create(truncation="auto", **kw)
+    assert r.truncation == "auto" and r.usage.input_tokens + 12 <= 1024
+
+    def tokens(messages) -> int:  # as the chat route renders them (too long for /tokenize)
+        return len(served.engine.tokenizer.chat_ids(messages))
+
+    system = [{"role": "system", "content": "Be brief."}]
+    start = next(i for i in range(0, len(turns), 2) if tokens(system + turns[i:]) + 12 <= 1024)
+    assert 0 < start < len(turns) - 1
+    kept = system + turns[start:]
+    assert r.usage.input_tokens == tokens(kept)
+    assert r.output_text == _chat(served, kept).message.content
+
+
 _OK = {"model": MODEL, "input": "Hi", "max_output_tokens": 4}
 BAD = [  # (body, text the message holds, param)
     ({"model": MODEL}, "input: Field required", "input"),
@@ -237,7 +264,7 @@ BAD = [  # (body, text the message holds, param)
      "text.format"),
     ({**_OK, "top_logprobs": 21}, "top_logprobs must be between 0 and 20", "top_logprobs"),
     ({**_OK, "background": True}, "background responses are not supported", "background"),
-    ({**_OK, "truncation": "auto"}, "truncation 'auto' is not supported", "truncation"),
+    ({**_OK, "truncation": "middle"}, "truncation must be 'auto' or 'disabled'", "truncation"),
     ({**_OK, "previous_response_id": "resp_nope"}, "'resp_nope' not found",
      "previous_response_id"),
     ({**_OK, "temperature": "hot"}, "valid number", "temperature"),

@@ -14,6 +14,8 @@ until the answer ends, as on the chat route.
 Stored responses (store, the default): the last MAX_STORED are kept in memory with the
 conversation that led to them, so that GET returns one and previous_response_id continues one
 (its input and output come before the new input; its instructions do not, as OpenAI's).
+With truncation "auto" the oldest turns are dropped until the prompt fits (`fitted`), and the
+conversation stored is the one answered.
 """
 
 from __future__ import annotations
@@ -76,7 +78,12 @@ async def create_response(body: ResponsesRequest, request: Request):
     chat = body.chat_request(history)
     tokenizer = state.engine.tokenizer
     try:
-        job = prepare(state, chat, [chat.chat_prompt(tokenizer)], "messages", "resp_", None)
+        if body.truncation == "auto":
+            room = body.max_output_tokens or 1
+            chat, prompt = fitted(chat, tokenizer, state.engine.max_model_len, room)
+        else:
+            prompt = chat.chat_prompt(tokenizer)
+        job = prepare(state, chat, [prompt], "messages", "resp_", None)
     except APIError as e:
         raise renamed(e) from e
     answer = Answer(body, chat, job, state)
@@ -100,6 +107,26 @@ async def delete_response(response_id: str, request: Request):
     store.get(response_id)
     del store.items[response_id]
     return {"id": response_id, "object": "response", "deleted": True}
+
+
+def fitted(chat, tokenizer, context: int, room: int) -> tuple:
+    """truncation "auto": the chat request without its oldest turns (after its leading system
+    messages; whole turns, so that it begins again at a user message; never its last message)
+    until its prompt leaves `room` tokens of the context; (that request, its prompt ids). What
+    still does not fit is prepare()'s error."""
+    messages = chat.messages
+    first = next((i for i, m in enumerate(messages) if m["role"] not in ("system", "developer")),
+                 len(messages))  # fmt: skip
+    while True:
+        prompt = chat.chat_prompt(tokenizer)
+        rest = messages[first:]
+        if len(prompt) + room <= context or len(rest) <= 1:
+            return chat, prompt
+        drop = 1
+        while drop < len(rest) - 1 and rest[drop]["role"] != "user":
+            drop += 1
+        messages = messages[:first] + rest[drop:]
+        chat = chat.model_copy(update={"messages": messages})
 
 
 class Answer:
@@ -132,7 +159,8 @@ class Answer:
             "temperature": c.params.temperature, "top_p": c.params.top_p,
             "top_logprobs": body.top_logprobs, "text": body.text or {"format": {"type": "text"}},
             "tool_choice": body.tool_choice or "auto",
-            "tools": body.tools or [], "truncation": "disabled", "store": body.store,
+            "tools": body.tools or [], "truncation": body.truncation or "disabled",
+            "store": body.store,
             "metadata": body.metadata or {}, "usage": usage,
         }  # fmt: skip
 

@@ -10,7 +10,9 @@ chat route's checks, prompt rendering, tools and sampling do the rest:
 - `tools` (function tools, flat: {"type": "function", "name", "parameters", ...}), `tool_choice`
   ("auto", "none", "required" or {"type": "function", "name"}), `parallel_tool_calls`;
 - logprobs when `include` has "message.output_text.logprobs" or `top_logprobs` is given;
-- the chat route's sampling extensions (seed, top_k, stop, penalties, logit_bias, ...).
+- the chat route's sampling extensions (seed, top_k, stop, penalties, logit_bias, ...);
+- `truncation: "auto"`: the oldest turns are dropped until the prompt fits (see
+  responses.fitted).
 An error names the Responses field (max_output_tokens, text.format, input), not the chat one.
 """
 
@@ -58,10 +60,9 @@ class ResponsesRequest(BaseModel):
         """Errors pydantic cannot see: what this server does not do."""
         if self.background:
             raise APIError(400, "background responses are not supported", "background")
-        if self.truncation not in (None, "disabled"):
-            raise APIError(400, f"truncation {self.truncation!r} is not supported (only "
-                           "'disabled': a prompt too long for the context is an error)",
-                           "truncation")  # fmt: skip
+        if self.truncation not in (None, "disabled", "auto"):
+            raise APIError(400, "truncation must be 'auto' or 'disabled', got "
+                           f"{self.truncation!r}", "truncation")  # fmt: skip
         for name in ("conversation", "prompt"):
             if (self.model_extra or {}).get(name) is not None:
                 raise APIError(400, f"{name} is not supported by this server", name)
