@@ -238,7 +238,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[To
 
 class Penalties:
     """The repetition penalties of one request, applied to logits given the tokens it holds,
-    and its logit bias, added after them.
+    its logit bias, added after them, and min_tokens' mask of the tokens that end it.
 
     Under speculation each tree node's logits are penalised by the tokens of its own path: the
     request's committed output plus the node's branch (its ancestors below the root, and itself),
