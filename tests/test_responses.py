@@ -24,7 +24,7 @@ from specinfer import SamplingParams  # noqa: E402
 from specinfer.engine import AsyncEngine, Engine  # noqa: E402
 from specinfer.server import build_app  # noqa: E402
 from specinfer.server.errors import APIError  # noqa: E402
-from specinfer.server.responses import ResponseStore  # noqa: E402
+from specinfer.server.responses import ResponseStore, Stored  # noqa: E402
 from test_server import _ThreadedServer  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -118,6 +118,28 @@ def test_previous_response_continues_the_conversation(served):
     with pytest.raises(openai.NotFoundError):
         served.client.responses.retrieve(first.id)
     assert served.client.responses.retrieve(second.id).id == second.id
+
+
+def test_input_items_list_a_stored_responses_input(served):
+    """GET /v1/responses/{id}/input_items: the request's own input items (ids, input_text
+    parts), newest first by default; the client's pager walks pages of one."""
+    items = [{"role": "user", "content": "Hi!"},
+             {"type": "message", "role": "assistant",
+              "content": [{"type": "output_text", "text": "Hello!"}]},
+             {"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}]  # fmt: skip
+    r = served.client.responses.create(model=MODEL, input=items, **GREEDY)
+    listed = served.client.responses.input_items.list(r.id)
+    texts = [(i.role, i.content[0].text) for i in listed.data]
+    assert texts == [("user", QUESTION), ("assistant", "Hello!"), ("user", "Hi!")]
+    assert listed.data[-1].content[0].type == "input_text" and not listed.has_more
+    paged = [i.id for i in served.client.responses.input_items.list(r.id, limit=1, order="asc")]
+    assert paged == [i.id for i in reversed(listed.data)] and len(set(paged)) == 3
+    follow = served.client.responses.create(model=MODEL, input="And a fourth?",
+                                            previous_response_id=r.id, **GREEDY)  # fmt: skip
+    (own,) = served.client.responses.input_items.list(follow.id).data
+    assert own.content[0].text == "And a fourth?"
+    bad = served.http.get(f"/v1/responses/{r.id}/input_items", params={"limit": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
 
 
 def test_stream_events_add_up_to_the_response(served):
@@ -283,11 +305,11 @@ def test_bad_input(served, body, message, param):
 def test_store_keeps_the_most_recently_used():
     store = ResponseStore(capacity=2)
     for i in range(3):
-        store.put({"id": f"r{i}"}, [{"role": "user", "content": str(i)}])
+        store.put(Stored({"id": f"r{i}"}, [{"role": "user", "content": str(i)}], []))
         if i == 1:
             store.get("r0")  # used: r1 is now the oldest
     assert sorted(store.items) == ["r0", "r2"]
-    assert store.get("r2")[1] == [{"role": "user", "content": "2"}]
+    assert store.get("r2").conversation == [{"role": "user", "content": "2"}]
     with pytest.raises(APIError) as e:
         store.get("r1", "previous_response_id")
     assert (e.value.status, e.value.param) == (400, "previous_response_id")

@@ -1,4 +1,5 @@
-"""POST /v1/responses, GET and DELETE /v1/responses/{id}: OpenAI's Responses API.
+"""POST /v1/responses, GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items:
+OpenAI's Responses API.
 
 A request is read as the chat request it amounts to (responses_request.py) and generated as one
 choice. Its answer is a message item with one output_text part, and/or function_call items (an
@@ -25,6 +26,7 @@ import time
 import uuid
 from collections import OrderedDict
 from contextlib import aclosing
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response
@@ -47,19 +49,25 @@ MAX_STORED = 1000  # responses kept for GET and previous_response_id, least rece
 router = APIRouter()
 
 
+@dataclass
+class Stored:
+    response: dict  # the response object, as returned
+    conversation: list[dict]  # the chat messages up to its answer (previous_response_id's)
+    inputs: list[dict]  # its request's input items, with ids (input_items lists them)
+
+
 class ResponseStore:
-    """Stored responses: id -> (the response object, the conversation up to its answer, as chat
-    messages)."""
+    """Stored responses by id, the least recently used dropped past `capacity`."""
 
     def __init__(self, capacity: int = MAX_STORED):
         self.capacity, self.items = capacity, OrderedDict()
 
-    def put(self, response: dict, conversation: list[dict]) -> None:
-        self.items[response["id"]] = (response, conversation)
+    def put(self, stored: Stored) -> None:
+        self.items[stored.response["id"]] = stored
         while len(self.items) > self.capacity:
             self.items.popitem(last=False)
 
-    def get(self, response_id: str, param: str | None = None) -> tuple[dict, list[dict]]:
+    def get(self, response_id: str, param: str | None = None) -> Stored:
         if response_id not in self.items:
             status = 400 if param else 404  # a body's reference is a bad request; a path, not found
             raise APIError(status, f"Response with id '{response_id}' not found.", param)
@@ -74,7 +82,9 @@ async def create_response(body: ResponsesRequest, request: Request):
     body.check()
     history = []
     if body.previous_response_id is not None:
-        history = state.responses.get(body.previous_response_id, "previous_response_id")[1]
+        history = state.responses.get(
+            body.previous_response_id, "previous_response_id"
+        ).conversation
     chat = body.chat_request(history)
     tokenizer = state.engine.tokenizer
     try:
@@ -98,7 +108,28 @@ async def create_response(body: ResponsesRequest, request: Request):
 
 @router.get("/v1/responses/{response_id}")
 async def get_response(response_id: str, request: Request):
-    return request.app.state.server.responses.get(response_id)[0]
+    return request.app.state.server.responses.get(response_id).response
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def input_items(response_id: str, request: Request, order: str = "desc", limit: int = 20,
+                      after: str | None = None):  # fmt: skip
+    """A stored response's input items (its own request's, not earlier responses'), a page of
+    `limit` (1 to 100) in `order`, after the item `after`; the openai client pages through."""
+    items = request.app.state.server.responses.get(response_id).inputs
+    if order not in ("asc", "desc"):
+        raise APIError(400, f"order must be 'asc' or 'desc', got {order!r}", "order")
+    if not 1 <= limit <= 100:
+        raise APIError(400, f"limit must be between 1 and 100, got {limit}", "limit")
+    items = items if order == "asc" else items[::-1]
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise APIError(400, f"no input item {after!r} in response {response_id!r}", "after")
+        items = items[ids.index(after) + 1 :]
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}  # fmt: skip
 
 
 @router.delete("/v1/responses/{response_id}")
@@ -191,7 +222,8 @@ class Answer:
         })  # fmt: skip
         if self.body.store:
             system = 1 if self.body.instructions else 0  # not carried over
-            self.state.responses.put(response, [*self.chat.messages[system:], turn])
+            conversation = [*self.chat.messages[system:], turn]
+            self.state.responses.put(Stored(response, conversation, self.body.input_items()))
         return response
 
     def _message(self, text: str, status: str, logprobs: list) -> dict:

@@ -18,6 +18,8 @@ An error names the Responses field (max_output_tokens, text.format, input), not 
 
 from __future__ import annotations
 
+import uuid
+
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, ValidationError
 
 from specinfer.server.errors import APIError
@@ -99,6 +101,29 @@ class ResponsesRequest(BaseModel):
             elif kind != "reasoning":  # a reasoning model's summary: nothing for this model
                 raise APIError(400, f"{where}: items of type {kind!r} are not supported "
                                "(messages, function_call and function_call_output are)", "input")  # fmt: skip
+        return out
+
+    def input_items(self) -> list[dict]:
+        """The input as the API lists it back: items with ids and a status, a message's text
+        as input_text parts (checked by `messages` already)."""
+        items = (
+            [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
+        )
+        out = []
+        for item in items:
+            kind = item.get("type", "message")
+            if kind == "message":
+                content = item["content"]
+                parts = (
+                    [{"type": "input_text", "text": content}]
+                    if isinstance(content, str)
+                    else content
+                )
+                item = {"type": "message", "role": item["role"], "content": parts,
+                        "id": item.get("id")}  # fmt: skip
+            prefix = {"message": "msg", "function_call": "fc"}.get(kind, "fco")
+            out.append({**item, "id": item.get("id") or f"{prefix}_{uuid.uuid4().hex}",
+                        "status": item.get("status") or "completed"})  # fmt: skip
         return out
 
     def chat_request(self, history: list[dict]) -> ChatCompletionRequest:
