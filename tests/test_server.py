@@ -829,6 +829,30 @@ def test_an_api_key_guards_the_v1_routes(served):
         server.stop()
 
 
+def test_allowed_origins_let_browsers_call_the_server():
+    """CORS: a page of an allowed origin gets its preflight answered (before the key check) and
+    the header on responses; another origin, or a server without allowed origins, does not."""
+    page = "http://ui.example:3000"
+    preflight = {"Origin": page, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}  # fmt: skip
+    for origins, allowed in (([page], True), (None, False)):
+        server = _ThreadedServer(build_app(None, MODEL, "s3cret", origins))
+        base = f"http://127.0.0.1:{server.port}"
+        try:
+            r = httpx.options(f"{base}/v1/chat/completions", headers=preflight, timeout=10)
+            assert (r.headers.get("access-control-allow-origin") == page) == allowed
+            assert (r.status_code == 200) == allowed  # without CORS: the key check's 401
+            key = {"Authorization": "Bearer s3cret"}
+            r = httpx.get(f"{base}/v1/models", headers={**key, "Origin": page}, timeout=10)
+            assert r.status_code == 200
+            assert (r.headers.get("access-control-allow-origin") == page) == allowed
+            other = httpx.get(f"{base}/v1/models", headers={**key, "Origin": "http://evil.example"},
+                              timeout=10)  # fmt: skip
+            assert "access-control-allow-origin" not in other.headers
+        finally:
+            server.stop()
+
+
 # -- `specinfer serve` -------------------------------------------------------------------------
 
 

@@ -252,6 +252,14 @@ def _add_serve_parser(sub) -> None:
     )
     serve.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16")
     serve.add_argument("--chat-template", default=None, help=CHAT_TEMPLATE_HELP)
+    serve.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=None,
+        metavar="ORIGIN",
+        help="web pages whose scripts may call the server (CORS), e.g. http://localhost:3000, "
+        "or '*' for any (default: none)",
+    )
     serve.add_argument("--device", default="cpu")
     serve.add_argument("--threads", type=int, default=None)
     serve.add_argument(

@@ -4,7 +4,8 @@ The app can exist before its engine (`specinfer serve` listens while the model l
 answers 503 until `state.attach(async_engine)`, and again once `state.draining` is set
 (shutdown), when every new generation request gets a 503 too. With an API key, every route asks
 for it (`Authorization: Bearer KEY`, as OpenAI's clients send it; 401 otherwise) but /health and
-/metrics, which stay open for load balancers and scrapers.
+/metrics, which stay open for load balancers and scrapers. With allowed origins, browsers may
+call it from those pages (CORS; a preflight needs no key).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import hmac
 import time
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
@@ -65,8 +67,10 @@ class ServerState:
             )  # fmt: skip
 
 
-def build_app(async_engine, served_model_name: str, api_key: str | None = None) -> FastAPI:
-    """The OpenAI-compatible app. async_engine may be None (not ready yet; see ServerState)."""
+def build_app(async_engine, served_model_name: str, api_key: str | None = None,
+              allowed_origins: list[str] | None = None) -> FastAPI:  # fmt: skip
+    """The OpenAI-compatible app. async_engine may be None (not ready yet; see ServerState).
+    allowed_origins: the web pages (origins, or "*") whose scripts may call it (CORS)."""
     app = FastAPI(title="specinfer", docs_url=None, redoc_url=None)
     state = ServerState(async_engine, served_model_name)
     app.state.server = state
@@ -81,6 +85,10 @@ def build_app(async_engine, served_model_name: str, api_key: str | None = None) 
                 return error_response(401, "missing or incorrect API key (send the header "
                                       "'Authorization: Bearer <key>')", None, "invalid_api_key")  # fmt: skip
             return await call_next(request)
+
+    if allowed_origins:  # added last, so outermost: a preflight is answered before the key check
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"])  # fmt: skip
 
     app.include_router(completions.router)
     app.include_router(chat.router)

@@ -50,7 +50,8 @@ def run(args) -> int:
     from specinfer.server.app import build_app
 
     name = args.served_model_name or served_name(args.model)
-    app = build_app(None, name, args.api_key or os.environ.get("SPECINFER_API_KEY"))
+    app = build_app(None, name, args.api_key or os.environ.get("SPECINFER_API_KEY"),
+                    args.allowed_origins)  # fmt: skip
 
     class Server(uvicorn.Server):
         """A signal starts our drain (not uvicorn's immediate stop) and is not re-raised after
