@@ -744,6 +744,22 @@ def test_metrics(served):
     assert m["specinfer:requests_finished_total", (("finished_reason", "length"),)] > 0
 
 
+def test_http_requests_are_counted_by_route_and_status(served):
+    def count(method: str, route: str, status: int) -> float:
+        labels = (("method", method), ("route", route), ("status", str(status)))
+        return _metrics(served).get(("specinfer:http_requests_total", labels), 0.0)
+
+    cases = [("POST", "/v1/completions", 200, _OK), ("POST", "/v1/completions", 400,
+             {**_OK, "max_tokens": 0}), ("GET", "/v1/models/{model:path}", 404, None),
+             ("GET", "unmatched", 404, None)]  # fmt: skip
+    before = [count(m, r, s) for m, r, s, _ in cases]
+    served.http.post("/v1/completions", json=_OK)
+    served.http.post("/v1/completions", json={**_OK, "max_tokens": 0})
+    served.http.get("/v1/models/nope")
+    served.http.get("/no/such/route/42")
+    assert [count(m, r, s) - b for (m, r, s, _), b in zip(cases, before)] == [1, 1, 1, 1]
+
+
 def test_tokenize_counts_what_generation_counts_and_detokenize_reverses_it(served):
     engine = served.engine
 

@@ -86,6 +86,13 @@ def build_app(async_engine, served_model_name: str, api_key: str | None = None,
                                       "'Authorization: Bearer <key>')", None, "invalid_api_key")  # fmt: skip
             return await call_next(request)
 
+    @app.middleware("http")  # outside the key check: its 401s are counted too
+    async def count(request: Request, call_next):
+        response = await call_next(request)
+        route = getattr(request.scope.get("route"), "path", "unmatched")  # set by routing
+        state.metrics.http.labels(request.method, route, str(response.status_code)).inc()
+        return response
+
     if allowed_origins:  # added last, so outermost: a preflight is answered before the key check
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
                            allow_headers=["*"])  # fmt: skip

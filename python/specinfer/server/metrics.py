@@ -10,6 +10,10 @@ the moment the HTTP request arrived:
     specinfer:e2e_request_latency_seconds   histogram: arrival -> finished output
     specinfer:requests_finished_total       counter, label finished_reason: stop | length |
                                             abort (client gone, shutdown) | error
+    specinfer:http_requests_total           counter, labels method, route (the route's
+                                            template; "unmatched" where no route took it: an
+                                            unknown path, or a key check's 401) and status:
+                                            every HTTP request answered, refused ones included
 
 Read from `engine.stats()` at every scrape (`EngineCollector`; absent while the engine loads):
 
@@ -72,6 +76,8 @@ class ServerMetrics:
                              buckets=_E2E_BUCKETS, registry=r)  # fmt: skip
         self.finished = Counter(P + "requests_finished", "Requests finished, by reason",
                                 ["finished_reason"], registry=r)  # fmt: skip
+        self.http = Counter(P + "http_requests", "HTTP requests answered, by method, route "
+                            "and status", ["method", "route", "status"], registry=r)  # fmt: skip
         r.register(EngineCollector(stats))
 
     def timer(self, arrival: float) -> RequestTimer:
