@@ -67,6 +67,27 @@ class ServerState:
             )  # fmt: skip
 
 
+class CountRequests:
+    """ASGI middleware: each HTTP response counted by method, route template (set in the scope
+    by routing; "unmatched" where none took it) and status, as it starts (a stream's chunks
+    pass untouched)."""
+
+    def __init__(self, app, counter):
+        self.app, self.counter = app, counter
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counted(message) -> None:
+            if message["type"] == "http.response.start":
+                route = getattr(scope.get("route"), "path", "unmatched")
+                self.counter.labels(scope["method"], route, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
 def build_app(async_engine, served_model_name: str, api_key: str | None = None,
               allowed_origins: list[str] | None = None) -> FastAPI:  # fmt: skip
     """The OpenAI-compatible app. async_engine may be None (not ready yet; see ServerState).
@@ -86,12 +107,7 @@ def build_app(async_engine, served_model_name: str, api_key: str | None = None,
                                       "'Authorization: Bearer <key>')", None, "invalid_api_key")  # fmt: skip
             return await call_next(request)
 
-    @app.middleware("http")  # outside the key check: its 401s are counted too
-    async def count(request: Request, call_next):
-        response = await call_next(request)
-        route = getattr(request.scope.get("route"), "path", "unmatched")  # set by routing
-        state.metrics.http.labels(request.method, route, str(response.status_code)).inc()
-        return response
+    app.add_middleware(CountRequests, counter=state.metrics.http)  # outside the key check
 
     if allowed_origins:  # added last, so outermost: a preflight is answered before the key check
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
