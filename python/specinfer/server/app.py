@@ -67,6 +67,23 @@ class ServerState:
             )  # fmt: skip
 
 
+class RequireKey:
+    """ASGI middleware: a 401 for an HTTP request to a guarded route without the key."""
+
+    def __init__(self, app, expected: bytes):
+        self.app, self.expected = app, expected
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in UNGUARDED:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                refusal = error_response(401, "missing or incorrect API key (send the header "
+                                         "'Authorization: Bearer <key>')", None,
+                                         "invalid_api_key")  # fmt: skip
+                return await refusal(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 class CountRequests:
     """ASGI middleware: each HTTP response counted by method, route template (set in the scope
     by routing; "unmatched" where none took it) and status, as it starts (a stream's chunks
@@ -97,15 +114,7 @@ def build_app(async_engine, served_model_name: str, api_key: str | None = None,
     app.state.server = state
     install_handlers(app)
     if api_key:
-        expected = f"Bearer {api_key}".encode()
-
-        @app.middleware("http")
-        async def authorize(request: Request, call_next):
-            given = request.headers.get("authorization", "").encode()
-            if request.url.path not in UNGUARDED and not hmac.compare_digest(given, expected):
-                return error_response(401, "missing or incorrect API key (send the header "
-                                      "'Authorization: Bearer <key>')", None, "invalid_api_key")  # fmt: skip
-            return await call_next(request)
+        app.add_middleware(RequireKey, expected=f"Bearer {api_key}".encode())
 
     app.add_middleware(CountRequests, counter=state.metrics.http)  # outside the key check
 
