@@ -195,7 +195,9 @@ def test_cli_chat_template(smollm_gguf, tmp_path, monkeypatch, capsys):
     for value in (template, str(file)):
         args = ["generate", "Hi", "--model", str(smollm_gguf), "--mode", "incremental"]
         assert cli_main([*args, "--chat-template", value]) == 0
-    assert seen == ["[user] Hi\n[assistant] "] * 2
+    long = "{# " + "x" * 300 + " #}" + template  # longer than a file name may be
+    assert cli_main([*args, "--chat-template", long]) == 0
+    assert seen == ["[user] Hi\n[assistant] "] * 3
     for value, error in (("no/such.jinja", "no such file"), ("{% for %}", "does not compile")):
         assert (
             cli_main(["generate", "Hi", "--model", "no/such/model", "--chat-template", value]) == 2

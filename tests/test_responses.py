@@ -207,11 +207,17 @@ def test_function_calls_and_their_output(served):
     chat = _chat(served, messages, tools=[CHAT_TOOL], max_tokens=24)
     assert follow.output_text == (chat.message.content or "")
     # tool_choice auto: text that might open a call is held back, then sent; streamed = not.
-    auto = {**kw, "tool_choice": "auto", "max_output_tokens": 24}
+    # (an answer in lines: the whitespace before each is held back until text follows)
+    auto = {**kw, "input": "List three cities in France, one per line.", "tool_choice": "auto",
+            "max_output_tokens": 40, "include": ["message.output_text.logprobs"]}  # fmt: skip
     whole = served.client.responses.create(**auto)
     events = list(served.client.responses.create(stream=True, **auto))
-    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    text = "".join(e.delta for e in deltas)
     assert text == whole.output_text and events[-1].response.output_text == text
+    if whole.output[0].type == "message":  # held-back text's logprobs come with it
+        (done,) = [e for e in events if e.type == "response.output_text.done"]
+        assert [lp.token for e in deltas for lp in e.logprobs] == [lp.token for lp in done.logprobs]
     assert [o.type for o in events[-1].response.output] == [o.type for o in whole.output]
 
 
@@ -277,6 +283,10 @@ BAD = [  # (body, text the message holds, param)
     ({**_OK, "input": [{"type": "item_reference", "id": "x"}]}, "'item_reference' are not",
      "input"),
     ({**_OK, "input": [5]}, "input[0] must be an object", "input"),
+    ({**_OK, "input": [{"role": "user", "content": [{"type": ["input_text"], "text": "x"}]}]},
+     "needs content", "input"),
+    ({**_OK, "tools": [TOOL], "tool_choice": {"type": "function", "name": ["get_weather"]}},
+     "tool_choice must name one of the tools", "tool_choice"),
     ({**_OK, "tools": [{"type": "web_search"}]}, "only function tools", "tools"),
     ({**_OK, "tools": [{**TOOL, "name": "a b"}]}, "name must be", "tools"),
     ({**_OK, "tool_choice": "required"}, "tool_choice needs tools", "tool_choice"),
@@ -300,6 +310,29 @@ def test_bad_input(served, body, message, param):
     error = r.json()["error"]
     assert message in error["message"] and error["param"] == param, error
     assert served.http.get("/health").status_code == 200
+
+
+def test_truncation_keeps_whole_turns_with_their_tool_calls(default_tokenizer):
+    """fitted(): a turn is a user message with what follows it (calls, tool results); the
+    oldest go first, the system message and the last turn stay even if they alone do not fit."""
+    from specinfer.server.protocol import ChatCompletionRequest
+    from specinfer.server.responses import fitted
+
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}  # fmt: skip
+    turn = [{"role": "user", "content": "Weather? " * 40},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "12 C " * 40}]  # fmt: skip
+    system = [{"role": "system", "content": "Be brief."}]
+    chat = ChatCompletionRequest(model="m", messages=system + turn + turn[:1])
+    whole = len(chat.chat_prompt(default_tokenizer))
+    fit, prompt = fitted(chat, default_tokenizer, whole + 10, 10)
+    assert fit.messages == chat.messages and len(prompt) == whole  # it fits: nothing dropped
+    fit, prompt = fitted(chat, default_tokenizer, whole, 10)
+    assert fit.messages == chat.messages[:1] + chat.messages[-1:]  # the call and result with it
+    assert prompt == fit.chat_prompt(default_tokenizer)
+    tail = ChatCompletionRequest(model="m", messages=system + turn)  # one turn: nothing to drop
+    assert fitted(tail, default_tokenizer, 8, 4)[0].messages == tail.messages
 
 
 def test_store_keeps_the_most_recently_used():

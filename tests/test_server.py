@@ -29,6 +29,7 @@ for _module in ("fastapi", "uvicorn", "prometheus_client", "httpx", "openai"):
 import httpx  # noqa: E402
 import openai  # noqa: E402
 import uvicorn  # noqa: E402
+from prometheus_client import generate_latest  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from specinfer import SamplingParams  # noqa: E402
@@ -758,6 +759,21 @@ def test_http_requests_are_counted_by_route_and_status(served):
     served.http.get("/v1/models/nope")
     served.http.get("/no/such/route/42")
     assert [count(m, r, s) - b for (m, r, s, _), b in zip(cases, before)] == [1, 1, 1, 1]
+    # A server error (raised past the middleware to the app's handler) counts as a 500.
+    from fastapi.testclient import TestClient
+
+    app = build_app(None, MODEL)
+
+    async def broken():
+        raise RuntimeError("a bug")
+
+    app.add_api_route("/broken", broken)
+    assert TestClient(app, raise_server_exceptions=False).get("/broken").status_code == 500
+    families = text_string_to_metric_families(generate_latest(app.state.server.metrics.registry)
+                                              .decode())  # fmt: skip
+    counted = {tuple(sorted(s.labels.items())): s.value for f in families for s in f.samples
+               if s.name == "specinfer:http_requests_total"}  # fmt: skip
+    assert counted == {(("method", "GET"), ("route", "/broken"), ("status", "500")): 1.0}
 
 
 def test_tokenize_counts_what_generation_counts_and_detokenize_reverses_it(served):

@@ -218,6 +218,44 @@ def test_llama3_and_mistral_answers_are_calls():
         assert mistral.parse(answer, "stop") == (answer, []), answer
 
 
+def test_a_call_may_name_its_arguments_either_way():
+    """Models trained on one format write the other's key at times: "arguments" in a Llama 3
+    answer, "parameters" in a Hermes block, or none for a function without parameters."""
+    weather = {"name": "get_weather", "arguments": {"city": "Oslo"}}
+    content, calls = _with_format(LLAMA3_JSON).parse(json.dumps(weather), "stop")
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+    block = f'{OPEN}\n{{"name": "get_weather", "parameters": {{"city": "Oslo"}}}}\n{CLOSE}'
+    assert json.loads(parse_tools(TOOLS, None, None).parse(block, "stop")[1][0]["function"]
+                      ["arguments"]) == {"city": "Oslo"}  # fmt: skip
+    bare = f'{OPEN}\n{{"name": "get_time"}}\n{CLOSE}'
+    assert parse_tools(TOOLS, None, None).parse(bare, "stop")[1][0]["function"]["arguments"] == "{}"
+    odd = f'{OPEN}\n{{"name": "get_time", "args": {{"timezone": "UTC"}}}}\n{CLOSE}'
+    assert parse_tools(TOOLS, None, None).parse(odd, "stop") == (odd, [])
+
+
+def test_history_calls_follow_the_template_that_renders(smollm_gguf):
+    """With named templates, a chat without tools is rendered by "default": if it does not read
+    tools, earlier calls are written in as Hermes text rather than handed over structured."""
+    from specinfer.server.protocol import ChatCompletionRequest
+    from specinfer.tokenizer import TokenizerWrapper
+
+    tok = TokenizerWrapper.from_path(smollm_gguf)
+    tok.named_templates = {"default": "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+                                      "{% endfor %}", "tool_use": TOOL_TEMPLATE}  # fmt: skip
+    tok.chat_template = tok.named_templates["default"]
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}  # fmt: skip
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "12 C"}]  # fmt: skip
+    plain = ChatCompletionRequest(model="m", messages=messages)
+    text = tok.decode(plain.chat_prompt(tok), skip_special_tokens=False)
+    assert "<assistant><tool_call>" in text and '"city": "Oslo"' in text
+    with_tools = ChatCompletionRequest(model="m", messages=messages, tools=TOOLS)
+    text = tok.decode(with_tools.chat_prompt(tok), skip_special_tokens=False)
+    assert text.startswith("<tools>") and "<tool_call>" not in text
+
+
 @pytest.mark.parametrize("fmt", [LLAMA3_JSON, MISTRAL])
 def test_a_stream_holds_back_a_whole_answer_call(fmt):
     call = {"name": "get_weather", fmt.key: {"city": "Oslo"}}

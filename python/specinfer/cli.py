@@ -395,11 +395,10 @@ def read_chat_template(value: str) -> str:
     """--chat-template's template: a file's text, or the value itself if it is a template."""
     from specinfer.tokenizer import check_template
 
-    path = Path(value).expanduser()
-    if path.is_file():
-        source = path.read_text()
-    elif "{{" in value or "{%" in value:
+    if "{{" in value or "{%" in value:  # a template (too long a text for a path, often)
         source = value
+    elif Path(value).expanduser().is_file():
+        source = Path(value).expanduser().read_text()
     else:
         raise ValueError(f"--chat-template: no such file, and not a template: {value}")
     check_template(source)  # before the model loads

@@ -27,7 +27,8 @@ class SamplingParams:
     A stop string ends the output just before it; EOS ends it unless ignore_eos, and so does any
     of stop_token_ids (kept in token_ids, not in the text, as EOS). min_tokens: EOS (unless
     ignore_eos) and stop_token_ids cannot be generated before the output holds this many tokens
-    (their logits are masked, in verification too).
+    (their logits are masked, in verification too); stop strings still end it (vLLM holds them
+    back too).
     Penalties (applied to the logits before temperature, greedy decoding included):
     repetition_penalty (HF's definition; 1 = off) divides a positive logit and multiplies a
     negative one of every token seen in the prompt or the output; presence_penalty and

@@ -91,7 +91,13 @@ class TokenizerWrapper:
     def renders_tools(self) -> bool:
         """Whether that template describes tools itself: it reads a `tools` variable (as HF's
         tool-aware templates do) in one of its tags, not merely says the word."""
-        return bool(self.tool_template) and bool(_READS_TOOLS.search(self.tool_template))
+        return _reads_tools(self.tool_template)
+
+    @property
+    def chat_renders_tools(self) -> bool:
+        """renders_tools, for the template of chats without tools (with named templates, a
+        "default" one may not know tool calls when "tool_use" does)."""
+        return _reads_tools(self.chat_template)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None,
@@ -258,6 +264,10 @@ def _raise(message: str):
 _templates: dict[str, jinja2.Template] = {}
 _CUT = "\x00specinfer:continue\x00"  # marks where a continued final message ends
 _READS_TOOLS = re.compile(r"\{[{%][^}%]*\btools\b")  # `tools` inside a {{ }} or {% %} tag
+
+
+def _reads_tools(template: str | None) -> bool:
+    return bool(template) and bool(_READS_TOOLS.search(template))
 
 
 def check_template(source: str) -> None:

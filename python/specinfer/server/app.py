@@ -96,13 +96,25 @@ class CountRequests:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
 
+        started = False
+
+        def count(status: int) -> None:
+            route = getattr(scope.get("route"), "path", "unmatched")
+            self.counter.labels(scope["method"], route, str(status)).inc()
+
         async def counted(message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
-                route = getattr(scope.get("route"), "path", "unmatched")
-                self.counter.labels(scope["method"], route, str(message["status"])).inc()
+                started = True
+                count(message["status"])
             await send(message)
 
-        await self.app(scope, receive, counted)
+        try:
+            await self.app(scope, receive, counted)
+        except Exception:  # answered with a 500 further out, by the app's error handler
+            if not started:
+                count(500)
+            raise
 
 
 def build_app(async_engine, served_model_name: str, api_key: str | None = None,

@@ -260,8 +260,9 @@ class ChatCompletionRequest(_Request):
         if self.continue_final_message and self.add_generation_prompt:
             raise APIError(400, "continue_final_message and add_generation_prompt cannot both "
                            "be true", "continue_final_message")  # fmt: skip
-        tools = self.tool_set
-        messages = conversation(self.messages, structured=tokenizer.renders_tools)
+        tools = self.tool_set  # with tools, the tool template renders; else the chat one
+        structured = tokenizer.renders_tools if tools else tokenizer.chat_renders_tools
+        messages = conversation(self.messages, structured=structured)
         messages, declared = tools.prompt(tokenizer, messages) if tools else (messages, None)
         try:
             return tokenizer.chat_ids(messages, tools=declared,

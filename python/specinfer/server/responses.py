@@ -45,6 +45,7 @@ from specinfer.server.sse import SSEResponse, typed_event
 from specinfer.server.tools import ToolStream
 
 MAX_STORED = 1000  # responses kept for GET and previous_response_id, least recently used dropped
+AUTO_ROOM = 256  # truncation "auto" without max_output_tokens leaves the answer this much room
 
 router = APIRouter()
 
@@ -89,8 +90,9 @@ async def create_response(body: ResponsesRequest, request: Request):
     tokenizer = state.engine.tokenizer
     try:
         if body.truncation == "auto":
-            room = body.max_output_tokens or 1
-            chat, prompt = fitted(chat, tokenizer, state.engine.max_model_len, room)
+            context = state.engine.max_model_len
+            room = body.max_output_tokens or min(AUTO_ROOM, context // 4)
+            chat, prompt = fitted(chat, tokenizer, context, room)
         else:
             prompt = chat.chat_prompt(tokenizer)
         job = prepare(state, chat, [prompt], "messages", "resp_", None)
@@ -142,21 +144,20 @@ async def delete_response(response_id: str, request: Request):
 
 def fitted(chat, tokenizer, context: int, room: int) -> tuple:
     """truncation "auto": the chat request without its oldest turns (after its leading system
-    messages; whole turns, so that it begins again at a user message; never its last message)
-    until its prompt leaves `room` tokens of the context; (that request, its prompt ids). What
-    still does not fit is prepare()'s error."""
+    messages; a turn is a user message and what follows it up to the next: an answer, its tool
+    calls and their results) until its prompt leaves `room` tokens of the context; (that
+    request, its prompt ids). The last turn is never dropped: what still does not fit is
+    prepare()'s error."""
     messages = chat.messages
     first = next((i for i, m in enumerate(messages) if m["role"] not in ("system", "developer")),
                  len(messages))  # fmt: skip
     while True:
         prompt = chat.chat_prompt(tokenizer)
         rest = messages[first:]
-        if len(prompt) + room <= context or len(rest) <= 1:
+        turn = next((i for i in range(1, len(rest)) if rest[i]["role"] == "user"), None)
+        if len(prompt) + room <= context or turn is None:
             return chat, prompt
-        drop = 1
-        while drop < len(rest) - 1 and rest[drop]["role"] != "user":
-            drop += 1
-        messages = messages[:first] + rest[drop:]
+        messages = messages[:first] + rest[turn:]
         chat = chat.model_copy(update={"messages": messages})
 
 
@@ -253,7 +254,7 @@ class Answer:
                     text_event("response.content_part.added", part=self._part("", []))]  # fmt: skip
 
         held = ToolStream(self.tools) if self.tools else None
-        opened = False
+        opened, pending = False, []  # pending: the logprobs of text held back, sent with it
         start = self.response("in_progress", [])
         yield event("response.created", response=start)
         yield event("response.in_progress", response=start)
@@ -261,13 +262,15 @@ class Answer:
             async with aclosing(choice_outputs(self.state, self.job)) as outputs:
                 async for _, out in outputs:
                     text = held.feed(out.text) if held else out.text
+                    pending += out.logprobs or []
                     # Held text may turn out to be tool calls: a message is opened by text only.
-                    if text or (out.logprobs and not held):
+                    if text or (pending and not held):
                         for e in [] if opened else opening():
                             yield e
                         opened = True
                         yield text_event("response.output_text.delta", delta=text,
-                                         logprobs=self._logprobs(out.logprobs or []))  # fmt: skip
+                                         logprobs=self._logprobs(pending))  # fmt: skip
+                        pending = []
         except Exception as e:
             logger.error("error in stream %s", self.job.id, exc_info=e)
             message = str(e) if isinstance(e, ValueError) else "internal server error"
@@ -283,8 +286,9 @@ class Answer:
                     yield e
                 part = item["content"][0]
                 rest = part["text"][held.sent :] if held else ""  # what was held back
-                if rest:
-                    yield text_event("response.output_text.delta", delta=rest, logprobs=[])
+                if rest or pending:
+                    yield text_event("response.output_text.delta", delta=rest,
+                                     logprobs=self._logprobs(pending))  # fmt: skip
                 yield text_event("response.output_text.done", text=part["text"],
                                  logprobs=part["logprobs"])  # fmt: skip
                 yield text_event("response.content_part.done", part=part)

@@ -169,8 +169,9 @@ def _text(content, where: str) -> str:
     """A message's or tool output's text: a string, or text parts (joined)."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
-        kinds = {p.get("type") for p in content}
+    if isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("type"), str)
+                                         for p in content):  # fmt: skip
+        kinds = {p["type"] for p in content}
         if kinds <= set(_TEXT_PARTS) and all(isinstance(p.get("text"), str) for p in content):
             return "".join(p["text"] for p in content)
         if kinds - set(_TEXT_PARTS):

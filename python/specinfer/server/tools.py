@@ -98,12 +98,23 @@ class Tools:
         content, calls = found
         out = []
         for call in calls:
-            arguments = call.get(self.format.key, {}) if isinstance(call, dict) else None
+            arguments = _arguments(call, self.format.key)
             if not isinstance(arguments, dict) or call.get("name") not in self.functions:
                 return text, []
             out.append({"id": self.format.call_id(), "type": "function",
                         "function": {"name": call["name"], "arguments": json.dumps(arguments)}})  # fmt: skip
         return content or None, out
+
+
+def _arguments(call, key: str):
+    """A call's arguments: under the format's key, or the other one models use ("arguments" /
+    "parameters"), or {} for a call that names its function alone; None for anything else."""
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    for name in (key, "arguments", "parameters"):
+        if name in call:
+            return call[name]
+    return {} if set(call) == {"name"} else None
 
 
 class ToolStream:
@@ -203,7 +214,7 @@ def parse_tools(tools, tool_choice, parallel_tool_calls) -> Tools | None:
     if isinstance(choice, dict):
         fn = choice.get("function") if choice.get("type") == "function" else None
         only = fn.get("name") if isinstance(fn, dict) else None
-        if only not in functions:
+        if not isinstance(only, str) or only not in functions:
             raise APIError(400, "tool_choice must name one of the tools "
                            '({"type": "function", "function": {"name": ...}})', "tool_choice")  # fmt: skip
     elif choice not in ("none", "auto", "required"):
