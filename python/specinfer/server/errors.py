@@ -13,6 +13,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger("specinfer.server")
@@ -35,7 +36,13 @@ def error_response(status: int, message: str, param: str | None = None, code=Non
     return JSONResponse(error_body(status, message, param, code), status_code=status)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def invalid(exc: ValidationError) -> APIError:
+    """The 400 for a body part validated outside FastAPI's parsing (a chat request built from
+    another route's body), worded as FastAPI's own are."""
+    return APIError(400, *_validation_message(exc))
+
+
+def _validation_message(exc: RequestValidationError | ValidationError) -> tuple[str, str | None]:
     """The first problem pydantic found, as 'field: what is wrong', and the field's path."""
     errors = exc.errors()
     if not errors:

@@ -22,7 +22,7 @@ import uuid
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, ValidationError
 
-from specinfer.server.errors import APIError
+from specinfer.server.errors import APIError, invalid
 from specinfer.server.protocol import ChatCompletionRequest
 
 LOGPROBS = "message.output_text.logprobs"
@@ -69,13 +69,17 @@ class ResponsesRequest(BaseModel):
             if (self.model_extra or {}).get(name) is not None:
                 raise APIError(400, f"{name} is not supported by this server", name)
 
-    def messages(self) -> list[dict]:
-        """The input as chat messages (OpenAI's chat shape, tool calls included)."""
-        items = (
+    @property
+    def _items(self) -> list:
+        """The input as a list of items (a string is one user message)."""
+        return (
             [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
         )
+
+    def messages(self) -> list[dict]:
+        """The input as chat messages (OpenAI's chat shape, tool calls included)."""
         out = []
-        for i, item in enumerate(items):
+        for i, item in enumerate(self._items):
             where = f"input[{i}]"
             if not isinstance(item, dict):
                 raise APIError(400, f"{where} must be an object", "input")
@@ -106,11 +110,8 @@ class ResponsesRequest(BaseModel):
     def input_items(self) -> list[dict]:
         """The input as the API lists it back: items with ids and a status, a message's text
         as input_text parts (checked by `messages` already)."""
-        items = (
-            [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
-        )
         out = []
-        for item in items:
+        for item in self._items:
             kind = item.get("type", "message")
             if kind == "message":
                 content = item["content"]
@@ -145,9 +146,7 @@ class ResponsesRequest(BaseModel):
         try:
             chat = ChatCompletionRequest.model_validate(fields)
         except ValidationError as e:
-            first = e.errors()[0]
-            field = str(first["loc"][0]) if first.get("loc") else "input"
-            raise renamed(APIError(400, first["msg"].removeprefix("Value error, "), field)) from e
+            raise renamed(invalid(e)) from e
         try:
             chat.check()
         except APIError as e:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError
 
-from specinfer.server.errors import APIError
+from specinfer.server.errors import APIError, invalid
 from specinfer.server.protocol import ChatCompletionRequest
 
 router = APIRouter()
@@ -61,6 +61,5 @@ def _chat_prompt(body: TokenizeRequest, tokenizer):
     try:
         chat = ChatCompletionRequest.model_validate(body.model_dump())
     except ValidationError as e:
-        first = e.errors()[0]
-        raise APIError(400, first["msg"].removeprefix("Value error, "), "messages") from e
+        raise invalid(e) from e
     return chat.chat_prompt(tokenizer)
